@@ -1,0 +1,54 @@
+"""The `rlmesh` console script: one entry point for every service and tool.
+
+    rlmesh serve rollout|reward|learner|coordinator [options]   run one service
+    rlmesh train --config examples/tiny_grpo.yaml                the RL loop (coordinator)
+    rlmesh quickstart                                            the embedded end-to-end default
+    rlmesh sft|rm|dpo|eval|plot ...                              offline trainers and tools
+    rlmesh make-tiny-model OUT / make-data OUT                   local tiny models and data
+"""
+
+import importlib
+import sys
+
+# subcommand -> (module, function taking argv, one-line help)
+COMMANDS = {
+    "quickstart": ("services.quickstart", "main", "build the tiny model and data, then run the embedded default end to end"),
+    "train": ("services.coordinator.train", "main", "run PPO / GRPO / RLOO / REINFORCE++ over the services"),
+    "sft": ("services.learner.train_sft", "main", "supervised fine-tuning"),
+    "rm": ("services.learner.train_rm", "main", "reward-model training on preference pairs"),
+    "dpo": ("services.learner.train_dpo", "main", "direct preference optimisation"),
+    "eval": ("services.coordinator.evaluate", "main", "pass@1 / pass@n of a model through the rollout and reward services"),
+    "plot": ("services.coordinator.plot", "main", "PNG curves of a run folder's metrics.jsonl"),
+    "make-tiny-model": ("services.common.tiny", "main_make_tiny_model", "build a tiny random model with a local tokenizer"),
+    "make-data": ("services.common.tiny", "main_make_data", "write the local arithmetic / SFT / preference data sets"),
+}
+SERVICES = ("rollout", "reward", "learner", "coordinator")
+
+
+def usage() -> str:
+    lines = [__doc__.strip(), "", "commands:", f"  {'serve SERVICE':18s} run one service ({', '.join(SERVICES)}); --help lists its options"]
+    lines += [f"  {name:18s} {help_text}" for name, (_, _, help_text) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        if not rest or rest[0] not in SERVICES:
+            print(f"rlmesh serve: name one of {', '.join(SERVICES)}", file=sys.stderr)
+            return 2
+        module = importlib.import_module(f"services.{rest[0]}.__main__")
+        return module.main(rest[1:]) or 0
+    if command not in COMMANDS:
+        print(f"rlmesh: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module_name, function, _ = COMMANDS[command]
+    return getattr(importlib.import_module(module_name), function)(rest) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

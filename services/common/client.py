@@ -1,0 +1,145 @@
+"""Client channels: every call gets a deadline; idempotent methods retry on UNAVAILABLE.
+
+The retry policy is gRPC's own (service config), limited to the methods the caller lists as
+idempotent, so a non-idempotent call (e.g. a training step) is never sent twice.
+"""
+
+import asyncio
+import json
+import pathlib
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.server import channel_options
+
+
+def service_config(service_full_name: str, idempotent_methods, max_attempts: int = 5,
+                   initial_backoff_s: float = 0.2, max_backoff_s: float = 5.0) -> str:
+    if not idempotent_methods:
+        return json.dumps({"methodConfig": []})
+    return json.dumps({"methodConfig": [{
+        "name": [{"service": service_full_name, "method": m} for m in idempotent_methods],
+        "retryPolicy": {
+            "maxAttempts": max_attempts,
+            "initialBackoff": f"{initial_backoff_s}s",
+            "maxBackoff": f"{max_backoff_s}s",
+            "backoffMultiplier": 2,
+            "retryableStatusCodes": ["UNAVAILABLE"],
+        },
+    }]})
+
+
+def _with_deadline(details, default_timeout_s: float):
+    if details.timeout is not None:
+        return details
+    return details._replace(timeout=default_timeout_s)
+
+
+class _AioDeadline(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
+                   grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, default_timeout_s: float):
+        self.default_timeout_s = default_timeout_s
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(_with_deadline(details, self.default_timeout_s), request)
+
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(_with_deadline(details, self.default_timeout_s), request)
+
+    async def intercept_stream_unary(self, continuation, details, request_iterator):
+        return await continuation(_with_deadline(details, self.default_timeout_s), request_iterator)
+
+    async def intercept_stream_stream(self, continuation, details, request_iterator):
+        return await continuation(_with_deadline(details, self.default_timeout_s), request_iterator)
+
+
+class _SyncDeadline(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                    grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    def __init__(self, default_timeout_s: float):
+        self.default_timeout_s = default_timeout_s
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(_with_deadline(details, self.default_timeout_s), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(_with_deadline(details, self.default_timeout_s), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(_with_deadline(details, self.default_timeout_s), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(_with_deadline(details, self.default_timeout_s), request_iterator)
+
+
+def _options(service_full_name, idempotent_methods, max_message_mb, keepalive_time_s, keepalive_timeout_s):
+    return [*channel_options(max_message_mb, keepalive_time_s, keepalive_timeout_s),
+            ("grpc.enable_retries", 1),
+            ("grpc.service_config", service_config(service_full_name, idempotent_methods))]
+
+
+def _credentials(tls_ca: str, tls_cert: str, tls_key: str):
+    read = lambda p: pathlib.Path(p).read_bytes() if p else None  # noqa: E731
+    return grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
+
+
+def make_channel(address: str, service_full_name: str = "", idempotent_methods=(),
+                 default_timeout_s: float = 60.0, max_message_mb: int = 256,
+                 keepalive_time_s: float = 30.0, keepalive_timeout_s: float = 10.0,
+                 tls_ca: str = "", tls_cert: str = "", tls_key: str = "") -> grpc.aio.Channel:
+    """An asyncio channel to `address`. tls_ca enables TLS; tls_cert/tls_key add a client certificate (mTLS)."""
+    options = _options(service_full_name, idempotent_methods, max_message_mb, keepalive_time_s, keepalive_timeout_s)
+    interceptors = [_AioDeadline(default_timeout_s)]
+    if tls_ca:
+        return grpc.aio.secure_channel(address, _credentials(tls_ca, tls_cert, tls_key), options, interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options, interceptors=interceptors)
+
+
+def make_sync_channel(address: str, service_full_name: str = "", idempotent_methods=(),
+                      default_timeout_s: float = 60.0, max_message_mb: int = 256,
+                      keepalive_time_s: float = 30.0, keepalive_timeout_s: float = 10.0,
+                      tls_ca: str = "", tls_cert: str = "", tls_key: str = "") -> grpc.Channel:
+    """A blocking channel to `address`, with the same deadline and retry rules as make_channel."""
+    options = _options(service_full_name, idempotent_methods, max_message_mb, keepalive_time_s, keepalive_timeout_s)
+    if tls_ca:
+        channel = grpc.secure_channel(address, _credentials(tls_ca, tls_cert, tls_key), options)
+    else:
+        channel = grpc.insecure_channel(address, options)
+    return grpc.intercept_channel(channel, _SyncDeadline(default_timeout_s))
+
+
+async def wait_for_serving(address: str, timeout_s: float, service: str = "", **channel_kwargs) -> None:
+    """Polls grpc.health.v1 until `service` ("" = the whole server) is SERVING; TimeoutError otherwise."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    async with make_channel(address, default_timeout_s=5.0, **channel_kwargs) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.aio.AioRpcError as exc:
+                last = f"{exc.code().name}: {exc.details()}"
+            await asyncio.sleep(0.2)
+    raise TimeoutError(f"{address} did not report SERVING within {timeout_s:.0f} s (last: {last})")
+
+
+def wait_for_serving_sync(address: str, timeout_s: float, service: str = "", **channel_kwargs) -> None:
+    """Blocking form of wait_for_serving."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    with make_sync_channel(address, default_timeout_s=5.0, **channel_kwargs) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.RpcError as exc:
+                last = f"{exc.code().name}: {exc.details()}"
+            time.sleep(0.2)
+    raise TimeoutError(f"{address} did not report SERVING within {timeout_s:.0f} s (last: {last})")

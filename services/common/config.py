@@ -1,0 +1,122 @@
+"""Typed configuration: one dataclass per service, turned into argparse.
+
+Every field is declared with `opt(default, help)`. `parse_config` builds the parser, reads an
+optional YAML file (`--config`) that can supply any option (the command line wins), and calls the
+dataclass's `validate()` once, at start-up, so a bad combination fails with a message saying what
+to change.
+"""
+
+import argparse
+import dataclasses
+import pathlib
+import sys
+import types
+import typing
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message says what to change."""
+
+
+def opt(default, help: str, choices=None, derived: bool = False):
+    """A dataclass field with its help text. `derived` marks values computed in validate()."""
+    meta = {"help": help, "choices": choices, "derived": derived}
+    if isinstance(default, (list, dict, set)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _base_type(tp):
+    """Optional[X] / X | None -> X."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else str
+    return tp
+
+
+def build_parser(cls, description: str = "", parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(
+        description=description or (cls.__doc__ or "").strip(),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", default=None, metavar="FILE.yaml",
+                        help="YAML file whose keys are any of the options below (the command line wins)")
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("derived"):
+            continue
+        tp = _base_type(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        help_text = f.metadata.get("help", "")
+        if tp is bool:
+            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=None,
+                                help=f"{help_text} (default: {default})")
+        elif typing.get_origin(tp) is list:
+            (item,) = typing.get_args(tp) or (str,)
+            parser.add_argument(f"--{f.name}", type=item, nargs="*", default=None,
+                                help=f"{help_text} (default: {default})")
+        else:
+            parser.add_argument(f"--{f.name}", type=tp, default=None, choices=f.metadata.get("choices"),
+                                help=f"{help_text} (default: {default})")
+    return parser
+
+
+def from_mapping(cls, values: dict, source: str):
+    """Builds cls from a dict (e.g. YAML), rejecting unknown keys with their source."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ConfigError(f"{source}: unknown option(s) {unknown}; valid options are listed by --help")
+    return values
+
+
+def parse_config(cls, argv=None, description: str = ""):
+    """Parses argv (default sys.argv[1:]) into a validated `cls` instance; exits on errors."""
+    parser = build_parser(cls, description)
+    args = parser.parse_args(argv)
+    try:
+        return config_from_args(cls, args)
+    except ConfigError as exc:
+        parser.exit(2, f"config error: {exc}\n")
+
+
+def config_from_args(cls, args: argparse.Namespace):
+    values: dict = {}
+    if args.config:
+        path = pathlib.Path(args.config)
+        if not path.is_file():
+            raise ConfigError(f"--config {path}: no such file")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"--config {path}: must be a mapping of option: value")
+        values.update(from_mapping(cls, {k.replace("-", "_"): v for k, v in loaded.items()}, str(path)))
+    for f in dataclasses.fields(cls):
+        given = getattr(args, f.name, None)
+        if given is not None:
+            values[f.name] = given
+    config = cls(**values)
+    validate = getattr(config, "validate", None)
+    if validate is not None:
+        validate()
+    return config
+
+
+def to_argv(config) -> list[str]:
+    """The command line that reproduces `config` (used to start services as subprocesses)."""
+    argv: list[str] = []
+    for f in dataclasses.fields(config):
+        if f.metadata.get("derived"):
+            continue
+        value = getattr(config, f.name)
+        if isinstance(value, bool):
+            argv.append(f"--{f.name}" if value else f"--no-{f.name}")
+        elif isinstance(value, list):
+            argv += [f"--{f.name}", *map(str, value)]
+        elif value is not None:
+            argv += [f"--{f.name}", str(value)]
+    return argv
+
+
+if __name__ == "__main__":
+    sys.exit("services.common.config is a library")

@@ -1,0 +1,174 @@
+"""The gRPC server runner every service uses.
+
+It binds host:port (0 picks a free port and the real one is reported), sets explicit message size
+limits and keepalive, serves grpc.health.v1 and server reflection, optional TLS / mutual TLS,
+Prometheus metrics on their own port, and shuts down gracefully on SIGTERM: health goes
+NOT_SERVING, in-flight calls get `grace_period_s` to finish, then the server stops.
+"""
+
+import asyncio
+import dataclasses
+import json
+import os
+import pathlib
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.config import ConfigError, opt
+from services.common.log import get_logger, log_event
+from services.common.metrics import start_metrics_server
+
+MiB = 1024 * 1024
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    """Network settings shared by every service."""
+
+    host: str = opt("0.0.0.0", "address to bind the gRPC server to")
+    port: int = opt(0, "gRPC port; 0 picks a free port (reported on stdout and in --ready_file)")
+    metrics_port: int = opt(-1, "Prometheus metrics HTTP port; 0 picks a free port, -1 disables")
+    max_message_mb: int = opt(256, "largest gRPC message sent or received, in MiB")
+    keepalive_time_s: float = opt(30.0, "interval of keepalive pings on idle connections, seconds")
+    keepalive_timeout_s: float = opt(10.0, "time to wait for a keepalive ack before closing, seconds")
+    grace_period_s: float = opt(30.0, "on SIGTERM, how long in-flight calls may run before the server stops")
+    tls_cert: str = opt("", "PEM server certificate chain; with --tls_key enables TLS")
+    tls_key: str = opt("", "PEM private key of --tls_cert")
+    tls_client_ca: str = opt("", "PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS)")
+    ready_file: str = opt("", "when set, a JSON file with the bound address and ports is written here once serving")
+
+    def validate_server(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"--port {self.port} is out of range; use 0..65535")
+        if self.max_message_mb < 1:
+            raise ConfigError(f"--max_message_mb {self.max_message_mb} must be >= 1")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("--tls_cert and --tls_key must be given together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError("--tls_client_ca (mutual TLS) needs --tls_cert and --tls_key")
+        for name in ("tls_cert", "tls_key", "tls_client_ca"):
+            path = getattr(self, name)
+            if path and not pathlib.Path(path).is_file():
+                raise ConfigError(f"--{name} {path}: no such file")
+
+    def validate(self) -> None:
+        self.validate_server()
+
+
+def channel_options(max_message_mb: int, keepalive_time_s: float, keepalive_timeout_s: float) -> list[tuple]:
+    return [
+        ("grpc.max_send_message_length", max_message_mb * MiB),
+        ("grpc.max_receive_message_length", max_message_mb * MiB),
+        ("grpc.keepalive_time_ms", int(keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(keepalive_timeout_s * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # Allow the clients' keepalive pings (the default policy would answer them with GOAWAY).
+        ("grpc.http2.min_ping_interval_without_data_ms", int(min(keepalive_time_s, 10) * 1000)),
+    ]
+
+
+class ServiceRunner:
+    """Owns one grpc.aio server with health, reflection, metrics and graceful shutdown."""
+
+    def __init__(self, name: str, config: ServerConfig):
+        self.name = name
+        self.config = config
+        self.log = get_logger(name)
+        self.server = grpc.aio.server(options=channel_options(
+            config.max_message_mb, config.keepalive_time_s, config.keepalive_timeout_s))
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names: list[str] = []
+        self.on_shutdown: list[Callable[[], Awaitable[None] | None]] = []
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._stop = asyncio.Event()
+
+    def add(self, add_fn, servicer, full_service_name: str) -> None:
+        """Registers a servicer, e.g. add(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, s, "rlmesh.rollout.v1.RolloutService")."""
+        add_fn(servicer, self.server)
+        self.service_names.append(full_service_name)
+
+    def _credentials(self):
+        cfg = self.config
+        key = pathlib.Path(cfg.tls_key).read_bytes()
+        cert = pathlib.Path(cfg.tls_cert).read_bytes()
+        ca = pathlib.Path(cfg.tls_client_ca).read_bytes() if cfg.tls_client_ca else None
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                           require_client_auth=ca is not None)
+
+    async def _set_status(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)
+
+    def set_serving(self, serving: bool) -> None:
+        """Marks the server (and each of its services) SERVING or NOT_SERVING in grpc.health.v1."""
+        asyncio.get_running_loop().create_task(self._set_status(serving))
+
+    async def start(self) -> int:
+        cfg = self.config
+        reflection.enable_server_reflection(
+            [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME], self.server)
+        address = f"{cfg.host}:{cfg.port}"
+        if cfg.tls_cert:
+            self.port = self.server.add_secure_port(address, self._credentials())
+        else:
+            self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise RuntimeError(f"could not bind {address}; is the port in use?")
+        await self.server.start()
+        if cfg.metrics_port >= 0:
+            self.metrics_port = start_metrics_server(self.name, cfg.metrics_port, cfg.host)
+        await self._set_status(True)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
+        ready = {"service": self.name, "address": f"{host}:{self.port}", "port": self.port,
+                 "metrics_port": self.metrics_port, "pid": os.getpid()}
+        if cfg.ready_file:
+            tmp = pathlib.Path(cfg.ready_file + ".tmp")
+            tmp.write_text(json.dumps(ready))
+            os.replace(tmp, cfg.ready_file)
+        print("RLMESH_READY " + json.dumps(ready), flush=True)
+        log_event(self.log, "server.started", address=ready["address"], metrics_port=self.metrics_port,
+                  tls=bool(cfg.tls_cert), mtls=bool(cfg.tls_client_ca))
+        return self.port
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def wait_for_termination(self) -> None:
+        """Runs until SIGTERM/SIGINT (or request_stop), then shuts down gracefully."""
+        await self._stop.wait()
+        log_event(self.log, "server.stopping", grace_s=self.config.grace_period_s)
+        await self._set_status(False)
+        await self.server.stop(self.config.grace_period_s)
+        for callback in self.on_shutdown:
+            result = callback()
+            if asyncio.iscoroutine(result):
+                await result
+        log_event(self.log, "server.stopped")
+
+
+def run_service(name: str, config: ServerConfig, build: Callable[[ServiceRunner], Awaitable[None]]) -> None:
+    """Runs a service: build(runner) creates its engines and registers servicers; then serve until SIGTERM."""
+
+    async def main() -> None:
+        runner = ServiceRunner(name, config)
+        await build(runner)
+        await runner.start()
+        await runner.wait_for_termination()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny models and data built once per test session, free ports, CUDA gating.
+
+Tests that need a GPU carry `@pytest.mark.requires_cuda` (everything under tests/gpu gets it
+automatically) and are skipped on machines without CUDA.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.common.tiny import make_data, make_tiny_model, make_tiny_reward_model
+
+HAS_CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.requires_cuda
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "requires_cuda: needs a CUDA GPU; skipped without one")
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in Path(str(item.fspath)).parts:
+            item.add_marker(requires_cuda)
+        if not HAS_CUDA and item.get_closest_marker("requires_cuda"):
+            item.add_marker(skip)
+
+
+def get_free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free on host a moment ago (the OS may hand it out again; bind soon)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def free_port() -> int:
+    return get_free_port()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """Random tiny Qwen2 causal LM (seed 0) with the shared tokenizer and chat template."""
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny_qwen2_seed0", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir_b(tmp_path_factory) -> Path:
+    """Same shapes and tokenizer as tiny_model_dir, other weights (seed 1): for weight swaps."""
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny_qwen2_seed1", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model_dir(tmp_path_factory) -> Path:
+    """Random tiny Qwen2 sequence-classification model, one label, same tokenizer."""
+    return make_tiny_reward_model(tmp_path_factory.mktemp("models") / "tiny_reward_seed0", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_data_dir(tmp_path_factory) -> Path:
+    """arith_train/arith_test/sft/prefs JSONL files (seed 0)."""
+    return make_data(tmp_path_factory.mktemp("data"), seed=0)
