@@ -1,0 +1,245 @@
+"""What does serving vLLM behind gRPC cost? The same prompts through the rollout service and through
+vLLM's in-process `LLM.generate`, measured in the same run; prints tokens/s both ways and the ratio.
+
+    python bench/rollout_overhead.py                         # CPU: tiny model, 64 prompts x n=4
+    python bench/rollout_overhead.py --model_shape qwen2.5-0.5b --dtype bfloat16 \\
+        --gpu_memory_utilization 0.8 --prompts 64 --n 4 --max_tokens 256 --no-enforce_eager   # GPU
+
+Both sides decode `prompts x n` samples (256 by default) of exactly --max_tokens tokens (EOS
+ignored) from random --prompt_len-token prompts; each side first runs one warm-up batch, then
+--repeats timed batches, the two sides taking turns (the in-process side lives in a child process;
+an idle engine does not use the CPU). Target: ratio >= 0.9.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
+
+# Qwen2.5-0.5B's shapes, random weights: the GPU reference model of ENVIRONMENT.md.
+MARK = "RLMESH_BENCH"
+QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
+                  tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pretrain", default="", help="model folder; empty = build one of --model_shape in a temp dir")
+    p.add_argument("--model_shape", default="tiny", choices=["tiny", "small", "qwen2.5-0.5b"],
+                   help="random model built when --pretrain is empty")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--n", type=int, default=4, help="samples per prompt (prompts x n run concurrently)")
+    p.add_argument("--prompt_len", type=int, default=32)
+    p.add_argument("--max_tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--calls", type=int, default=1, help="split the service side into this many concurrent Generate calls")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--gpu_memory_utilization", type=float, default=0.1)
+    p.add_argument("--max_model_len", type=int, default=512)
+    p.add_argument("--max_num_seqs", type=int, default=256)
+    p.add_argument("--enforce_eager", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable_chunked_prefill", default="auto", choices=["auto", "on", "off"],
+                   help="as the service's option; auto = off on CPU, vLLM's default elsewhere (both sides alike)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--service_args", nargs="*", default=[], help="extra options for the service, e.g. --vllm_log_stats")
+    p.add_argument("--role", default="driver", choices=["driver", "inprocess"], help=argparse.SUPPRESS)
+    p.add_argument("--out", default="", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def build_model(shape: str, out_dir: pathlib.Path) -> pathlib.Path:
+    from services.common.tiny import build_tokenizer, make_tiny_model
+
+    if shape in ("tiny", "small"):
+        return make_tiny_model(out_dir / shape, size=shape, seed=0)
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(**QWEN25_05B, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, dtype="bfloat16")
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    path = out_dir / shape
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def make_prompts(args) -> list[list[int]]:
+    import random
+
+    rng = random.Random(args.seed)
+    # Ids of the shared tiny tokenizer's ordinary tokens (above its 4 special tokens).
+    return [[rng.randrange(4, 600) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+
+
+def run_inprocess(args) -> None:
+    """Child process: vLLM's LLM in this process. Prints "ready", then for every line on stdin runs
+    one batch and prints {"tokens": ..., "seconds": ...}."""
+    from vllm import LLM, SamplingParams
+    from vllm.platforms import current_platform
+
+    chunked = {"on": True, "off": False, "auto": False if current_platform.is_cpu() else None}[args.enable_chunked_prefill]
+    extra = {} if chunked is None else {"enable_chunked_prefill": chunked}
+    llm = LLM(model=args.pretrain, dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
+              seed=args.seed, **extra)
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(args)]
+    params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
+    print(f"{MARK} ready", flush=True)
+    for _ in sys.stdin:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        print(f"{MARK} " + json.dumps({"tokens": tokens, "seconds": elapsed}), flush=True)
+
+
+class InProcess:
+    """The in-process baseline, running in a child process driven batch by batch."""
+
+    def __init__(self, args, work: pathlib.Path):
+        cmd = [sys.executable, __file__, "--role", "inprocess", "--pretrain", args.pretrain,
+               "--prompts", str(args.prompts), "--n", str(args.n), "--prompt_len", str(args.prompt_len),
+               "--max_tokens", str(args.max_tokens), "--dtype", args.dtype,
+               "--gpu_memory_utilization", str(args.gpu_memory_utilization), "--max_model_len", str(args.max_model_len),
+               "--max_num_seqs", str(args.max_num_seqs), "--seed", str(args.seed),
+               "--enable_chunked_prefill", args.enable_chunked_prefill,
+               "--enforce_eager" if args.enforce_eager else "--no-enforce_eager"]
+        self.log = open(work / "inprocess.log", "w")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     start_new_session=True)
+        self.work = work
+        if self._reply() != "ready":
+            raise RuntimeError(f"the in-process vLLM did not start; see {work / 'inprocess.log'}")
+
+    def _reply(self) -> str:
+        """The next marked line of the child's stdout (vLLM prints its own lines there too)."""
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                return line[len(MARK):].strip()
+        raise RuntimeError(f"the in-process vLLM exited; see {self.work / 'inprocess.log'}")
+
+    def batch(self) -> tuple[int, float]:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        result = json.loads(self._reply())
+        return result["tokens"], result["seconds"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+
+
+class Service:
+    """The rollout service in its own process, driven over gRPC."""
+
+    def __init__(self, args, work: pathlib.Path):
+        import torch
+
+        from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+        from services.common.client import make_sync_channel
+        from services.common.tensors import to_proto
+
+        ready = work / "service.ready"
+        cmd = [sys.executable, "-m", "services.rollout", "--pretrain", args.pretrain, "--host", "127.0.0.1",
+               "--dtype", args.dtype, "--gpu_memory_utilization", str(args.gpu_memory_utilization),
+               "--max_model_len", str(args.max_model_len), "--max_num_seqs", str(args.max_num_seqs),
+               "--seed", str(args.seed), "--ready_file", str(ready), "--enable_chunked_prefill", args.enable_chunked_prefill,
+               "--enforce_eager" if args.enforce_eager else "--no-enforce_eager", *args.service_args]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "protos"),
+                                                            os.environ.get("PYTHONPATH", "")]))
+        self.log = open(work / "service.log", "w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + 900
+        while not ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"the rollout service did not start; see {work / 'service.log'}")
+            time.sleep(0.5)
+        self.channel = make_sync_channel(json.loads(ready.read_text())["address"], default_timeout_s=1800)
+        self.stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
+        prompts = make_prompts(args)
+        per_call = -(-len(prompts) // args.calls)
+        sampling = rollout_pb2.SamplingOptions(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True)
+        self.requests = [rollout_pb2.GenerateRequest(
+            request_id=f"bench{c}", n=args.n, sampling=sampling,
+            prompts=[rollout_pb2.Prompt(prompt_id=str(i), token_ids=to_proto(torch.tensor(p, dtype=torch.int64)))
+                     for i, p in enumerate(prompts) if i // per_call == c]) for c in range(args.calls)]
+
+    def batch(self) -> tuple[int, float]:
+        start = time.perf_counter()
+        streams = [self.stub.Generate(r) for r in self.requests]  # every call in flight at once
+        tokens = sum(r.response_token_ids.shape[0] for stream in streams for r in stream)
+        return tokens, time.perf_counter() - start
+
+    def close(self) -> None:
+        if getattr(self, "channel", None) is not None:
+            self.channel.close()
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+
+
+def main() -> int:
+    args = parse_args()
+    if args.role == "inprocess":
+        run_inprocess(args)
+        return 0
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    rates: dict[str, list[float]] = {"inprocess": [], "service": []}
+    with tempfile.TemporaryDirectory(prefix="rollout-bench-") as tmp:
+        work = pathlib.Path(tmp)
+        if not args.pretrain:
+            args.pretrain = str(build_model(args.model_shape, work))
+        # Both stay up (an idle engine waits without using the CPU) and take turns, so that load from
+        # elsewhere on the machine hits both sides alike.
+        inprocess = InProcess(args, work)
+        try:
+            service = Service(args, work)
+            try:
+                for repeat in range(args.repeats + 1):
+                    for name, side in (("inprocess", inprocess), ("service", service)):
+                        tokens, seconds = side.batch()
+                        if tokens != args.prompts * args.n * args.max_tokens:
+                            raise RuntimeError(f"{name} generated {tokens} tokens, expected "
+                                               f"{args.prompts * args.n * args.max_tokens}")
+                        if repeat > 0:  # the first batch of each side warms up
+                            rates[name].append(tokens / seconds)
+            finally:
+                service.close()
+        finally:
+            inprocess.close()
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    base, served = mean(rates["inprocess"]), mean(rates["service"])
+    print(f"\nrollout overhead: {args.prompts} prompts x n={args.n} = {args.prompts * args.n} concurrent samples, "
+          f"{args.max_tokens} tokens each, {args.calls} Generate call(s), model {args.pretrain}")
+    print(f"{'path':<34}{'tokens/s (mean)':>16}   per repeat")
+    print(f"{'vLLM LLM.generate (in-process)':<34}{base:>16,.0f}   {[round(r) for r in rates['inprocess']]}")
+    print(f"{'rollout service (gRPC stream)':<34}{served:>16,.0f}   {[round(r) for r in rates['service']]}")
+    print(f"ratio service / in-process: {served / base:.3f}  (target >= 0.9)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""A reward function file: `python -m services.reward --remote_rm_url examples/reward_func.py`.
+
+The service imports this file and calls reward_func on batches of samples, in a thread off its event
+loop with a time limit per batch (--reward_func_timeout_s). Return one number per sample (a list,
+numpy array or torch tensor), or a dict with "rewards" and optionally "scores" (raw scores, e.g.
+for filtering) and "extra_logs" (name -> one number per sample, reported as metrics).
+"""
+
+import re
+
+_ANSWER = re.compile(r"\\boxed\{([^{}]*)\}")
+
+
+def reward_func(queries, prompts, labels, **kwargs):
+    """queries: full texts (prompt + response); prompts: the prompts; labels: reference answers.
+
+    kwargs also holds `responses`, `sample_ids` and `data_sources` (lists like the others).
+    """
+    responses = kwargs["responses"]
+    rewards, boxed = [], []
+    for response, label in zip(responses, labels):
+        answers = _ANSWER.findall(response)
+        boxed.append(1.0 if answers else 0.0)
+        rewards.append(1.0 if answers and answers[-1].strip() == label.strip() else 0.0)
+    # A small penalty for rambling keeps answers short.
+    lengths = [len(r) for r in responses]
+    rewards = [r - 0.001 * max(0, n - 200) for r, n in zip(rewards, lengths)]
+    return {"rewards": rewards, "scores": rewards, "extra_logs": {"has_boxed": boxed}}

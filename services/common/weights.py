@@ -1,0 +1,428 @@
+"""Moving policy weights from the learner to rollout engines: bucket layout, checksum, transport.
+
+Both ends of a weight push use this module, so the sender (the learner's PushWeights) and the
+receiver (each rollout engine's workers) agree on every byte by construction.
+
+The protocol, for the gloo and nccl backends (one process group: the learner's rank 0 is rank 0,
+each rollout engine's workers take ranks rank_offset .. rank_offset + tensor_parallel_size - 1):
+
+    learner (rank 0)                                   rollout engine i
+    ----------------                                   ----------------
+    group = open_weight_group(backend, addr, port,     InitWeightTransfer(backend, addr, port,
+            world_size, rank=0, group_name)    <---->      world_size, rank_offset, group_name)
+                                                        (every worker: open_weight_group(...))
+    slots, sizes = plan_buckets(
+        [(name, wire_dtype, shape) ...], bucket_bytes)
+    request = update_weights_request(version, slots, sizes)
+    send UpdateWeights(request) to every engine  ---->  validates names/shapes/dtypes, then every
+    checksum = broadcast_weights(group, slots,            worker: for bucket in receive_buckets(...)
+                                 sizes, tensors)           load the bucket's tensors into the model
+    await the UpdateWeights replies             <----   reply: version, weights checksum
+    compare each reply's checksum with `checksum`
+
+The bytes of a bucket travel as ONE flat uint8 buffer (all dtypes of the bucket packed end to
+end, each tensor starting at a multiple of ALIGN_BYTES) in one broadcast; only the small
+per-parameter metadata travels over gRPC. The ipc backend (learner and engine on the same GPU)
+puts a CUDA IPC handle of each packed bucket buffer into the UpdateWeights request instead of
+broadcasting (see share_bucket_ipc / open_bucket_ipc); the learner keeps the buffers alive until
+the UpdateWeights reply arrives.
+
+The weights checksum (weights_checksum, combine_digests) is what "did the weights arrive" is
+checked with: the learner computes it over the tensors exactly as sent (in the wire dtype), the
+engine over the tensors exactly as received, and GetModelInfo reports the engine's.
+Little-endian hosts only (every supported platform is).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rlmesh.common.v1 import common_pb2
+from rlmesh.rollout.v1 import rollout_pb2
+
+# Every tensor starts at a multiple of this many bytes inside its bucket buffer, so a byte view
+# can be reinterpreted as any dtype (and GPU copies stay aligned).
+ALIGN_BYTES = 64
+DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+CHECKSUM_DIGEST_BYTES = 16
+
+# The dtypes weights may travel in. The receiving engine requires its own model dtype.
+WIRE_DTYPES = {
+    torch.float32: common_pb2.DTYPE_FLOAT32,
+    torch.bfloat16: common_pb2.DTYPE_BFLOAT16,
+    torch.float16: common_pb2.DTYPE_FLOAT16,
+}
+PROTO_TO_WIRE_DTYPE = {v: k for k, v in WIRE_DTYPES.items()}
+
+BACKEND_NAMES = {
+    rollout_pb2.WEIGHT_BACKEND_GLOO: "gloo",
+    rollout_pb2.WEIGHT_BACKEND_NCCL: "nccl",
+    rollout_pb2.WEIGHT_BACKEND_IPC: "ipc",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16" (the spelling used inside the checksum)."""
+    return str(dtype).removeprefix("torch.")
+
+
+# ----------------------------------------------------------------------------------------------
+# Bucket layout
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives in the packed buckets of a weight push."""
+
+    name: str  # the Hugging Face parameter name, e.g. "model.layers.0.mlp.up_proj.weight"
+    dtype: torch.dtype  # wire dtype
+    shape: tuple[int, ...]
+    bucket: int  # index of the bucket buffer that carries it
+    offset: int  # byte offset of its first element inside that buffer
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+
+def plan_buckets(params: Iterable[tuple[str, torch.dtype, Sequence[int]]],
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[list[ParamSlot], list[int]]:
+    """Lays parameters out in buckets, in the given order, each bucket at most bucket_bytes.
+
+    params: (name, wire dtype, shape) per parameter. Greedy: a parameter goes into the current
+    bucket if it fits, otherwise it opens the next one (a parameter larger than bucket_bytes gets
+    a bucket of its own). Returns (slots in the given order, byte size of each bucket).
+    Sending parameters in module order keeps each layer's weights in one or two buckets.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    slots: list[ParamSlot] = []
+    sizes: list[int] = []
+    used = 0
+    for name, dtype, shape in params:
+        if dtype not in WIRE_DTYPES:
+            raise ValueError(f"parameter {name!r}: wire dtype {dtype} is not one of "
+                             f"{[dtype_name(d) for d in WIRE_DTYPES]}")
+        slot = ParamSlot(name, dtype, tuple(int(d) for d in shape), 0, 0)
+        start = _align(used)
+        if not sizes or (used > 0 and start + slot.nbytes > bucket_bytes):
+            sizes.append(0)
+            start = 0
+        slot = ParamSlot(slot.name, slot.dtype, slot.shape, len(sizes) - 1, start)
+        used = start + slot.nbytes
+        sizes[-1] = used
+        slots.append(slot)
+    return slots, sizes
+
+
+def check_layout(slots: Sequence[ParamSlot], bucket_sizes: Sequence[int]) -> None:
+    """Raises ValueError naming the first parameter whose slot is inconsistent.
+
+    Checks: names unique; bucket index in range; offset aligned; the bytes fit in the bucket;
+    no two parameters of one bucket overlap.
+    """
+    seen: set[str] = set()
+    by_bucket: dict[int, list[ParamSlot]] = {}
+    for i, s in enumerate(slots):
+        where = f"params[{i}] {s.name!r}"
+        if s.name in seen:
+            raise ValueError(f"{where}: the name appears twice; send each parameter once")
+        seen.add(s.name)
+        if not 0 <= s.bucket < len(bucket_sizes):
+            raise ValueError(f"{where}: bucket {s.bucket} is out of range; there are "
+                             f"{len(bucket_sizes)} buckets (bucket_bytes)")
+        if s.offset < 0 or s.offset % ALIGN_BYTES:
+            raise ValueError(f"{where}: offset {s.offset} must be >= 0 and a multiple of {ALIGN_BYTES}")
+        if any(d < 0 for d in s.shape):
+            raise ValueError(f"{where}: negative dimension in shape {list(s.shape)}")
+        if s.offset + s.nbytes > bucket_sizes[s.bucket]:
+            raise ValueError(f"{where}: bytes [{s.offset}, {s.offset + s.nbytes}) run past the end of "
+                             f"bucket {s.bucket} ({bucket_sizes[s.bucket]} bytes)")
+        by_bucket.setdefault(s.bucket, []).append(s)
+    for bucket, members in by_bucket.items():
+        members = sorted(members, key=lambda s: s.offset)
+        for a, b in zip(members, members[1:]):
+            if a.offset + a.nbytes > b.offset:
+                raise ValueError(f"parameters {a.name!r} and {b.name!r} overlap in bucket {bucket}")
+
+
+def bucket_members(slots: Sequence[ParamSlot], num_buckets: int) -> list[list[ParamSlot]]:
+    """Slots grouped by bucket index: result[b] lists bucket b's parameters in slot order."""
+    members: list[list[ParamSlot]] = [[] for _ in range(num_buckets)]
+    for s in slots:
+        members[s.bucket].append(s)
+    return members
+
+
+def pack_bucket(tensors: Mapping[str, torch.Tensor], slots: Sequence[ParamSlot], size: int,
+                device: torch.device | str) -> torch.Tensor:
+    """Copies one bucket's tensors (cast to their wire dtype) into a new flat uint8 buffer.
+
+    tensors: name -> tensor with the slot's shape (any dtype, any device; cast here).
+    Returns a (size,) uint8 tensor on `device`. Padding bytes are zero.
+    """
+    buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+    for s in slots:
+        t = tensors[s.name]
+        if tuple(t.shape) != s.shape:
+            raise ValueError(f"parameter {s.name!r}: tensor shape {list(t.shape)} != planned {list(s.shape)}")
+        view = buffer[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape)
+        view.copy_(t.detach())
+    return buffer
+
+
+def unpack_bucket(buffer: torch.Tensor, slots: Sequence[ParamSlot]) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of one bucket, as views into `buffer` (no copy)."""
+    return [(s.name, buffer[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape)) for s in slots]
+
+
+# ----------------------------------------------------------------------------------------------
+# Checksum
+
+
+def _bytes_digest(raw: torch.Tensor) -> bytes:
+    """blake2b-128 of a contiguous CPU uint8 tensor."""
+    return hashlib.blake2b(raw.numpy().data, digest_size=CHECKSUM_DIGEST_BYTES).digest()
+
+
+def tensor_digest(t: torch.Tensor) -> bytes:
+    """blake2b (16-byte digest) of the tensor's raw row-major bytes in its own dtype."""
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+    return _bytes_digest(raw)
+
+
+def bucket_digests(buffer: torch.Tensor, slots: Sequence[ParamSlot]) -> dict[str, bytes]:
+    """name -> tensor_digest for every parameter of one packed bucket (one device-to-host copy)."""
+    host = buffer.cpu()
+    return {s.name: _bytes_digest(host[s.offset:s.offset + s.nbytes]) for s in slots}
+
+
+@dataclass(frozen=True)
+class DigestEntry:
+    """One parameter's contribution to the weights checksum."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    digest: bytes
+
+
+def combine_digests(entries: Mapping[str, DigestEntry]) -> str:
+    """The weights checksum: 32 hex characters.
+
+    Definition: blake2b with a 16-byte digest, fed, for each parameter in ascending order of its
+    name (Python string order), with
+        name (UTF-8) + b"\\0" + dtype name ("float32" | "bfloat16" | "float16") + b"\\0"
+        + shape as decimal numbers joined by "," + b"\\0" + tensor digest (16 bytes)
+    where the tensor digest is blake2b-128 of the tensor's raw little-endian row-major bytes in
+    that dtype. A learner gets the same value with weights_checksum over its parameters cast to
+    the engine's dtype (GetModelInfo.weights_dtype).
+    """
+    h = hashlib.blake2b(digest_size=CHECKSUM_DIGEST_BYTES)
+    for name in sorted(entries):
+        e = entries[name]
+        h.update(name.encode() + b"\0" + dtype_name(e.dtype).encode() + b"\0"
+                 + ",".join(str(d) for d in e.shape).encode() + b"\0" + e.digest)
+    return h.hexdigest()
+
+
+def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                     dtype: torch.dtype | None = None) -> str:
+    """The weights checksum (see combine_digests) of (name, tensor) pairs, in any order.
+
+    dtype: cast every tensor to this dtype first (the wire dtype); None keeps each tensor's own.
+    Example (learner, HF model): weights_checksum(model.named_parameters(), torch.bfloat16).
+    """
+    entries = {}
+    for name, t in named_tensors:
+        t = t.detach() if dtype is None else t.detach().to(dtype)
+        entries[name] = DigestEntry(t.dtype, tuple(t.shape), tensor_digest(t))
+    return combine_digests(entries)
+
+
+# ----------------------------------------------------------------------------------------------
+# gloo / nccl: one process group between the learner and every rollout worker
+
+
+@dataclass
+class WeightGroup:
+    """A joined weight-push process group (gloo or nccl); rank 0 is the learner."""
+
+    backend: str
+    rank: int
+    world_size: int
+    process_group: object  # torch.distributed ProcessGroupGloo / ProcessGroupNCCL
+    store: object  # kept alive with the group: rank 0's store is the rendezvous server
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's buffers live: the current CUDA device for nccl, else the CPU."""
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+    def broadcast_from_learner(self, tensor: torch.Tensor) -> None:
+        """Blocking broadcast from rank 0: the learner's tensor is sent, every other rank's is filled."""
+        self.process_group.broadcast(tensor, 0).wait()
+
+
+def open_weight_group(backend: str, master_address: str, master_port: int, world_size: int, rank: int,
+                      group_name: str = "rlmesh-weights", timeout_s: float = 600.0) -> WeightGroup:
+    """Joins the weight-push process group; blocks until all world_size ranks have joined.
+
+    Rank 0 (the learner) hosts the rendezvous store on master_address:master_port; every other rank
+    connects to it. The group is independent of any default torch.distributed group the process
+    may have (vLLM's own, DeepSpeed's). backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors on
+    the current device). timeout_s bounds the rendezvous and every later broadcast, so a dead peer
+    surfaces as an error instead of a hang.
+    """
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside the group of world_size {world_size}")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = torch.distributed.TCPStore(master_address, master_port, world_size, is_master=(rank == 0),
+                                       timeout=timeout, wait_for_workers=False)
+    prefixed = torch.distributed.PrefixStore(group_name, store)
+    if backend == "gloo":
+        process_group = torch.distributed.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    else:
+        options = torch.distributed.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        process_group = torch.distributed.ProcessGroupNCCL(prefixed, rank, world_size, options)
+    group = WeightGroup(backend, rank, world_size, process_group, store)
+    # A first collective makes "joined" mean "connected" on every rank, for both backends.
+    group.broadcast_from_learner(torch.zeros(1, device=group.device))
+    return group
+
+
+def send_bucket(group: WeightGroup, tensors: Mapping[str, torch.Tensor], slots: Sequence[ParamSlot],
+                size: int) -> dict[str, bytes]:
+    """Sender side of one bucket: pack, broadcast from rank 0, return name -> tensor digest.
+
+    Call it for b = 0, 1, ... in order (e.g. inside a ZeRO-3 gather of bucket b's parameters);
+    receivers expect the buckets in index order.
+    """
+    buffer = pack_bucket(tensors, slots, size, group.device)
+    group.broadcast_from_learner(buffer)
+    return bucket_digests(buffer, slots)
+
+
+def broadcast_weights(group: WeightGroup, slots: Sequence[ParamSlot], bucket_sizes: Sequence[int],
+                      tensors: Mapping[str, torch.Tensor] | Callable[[list[str]], Mapping[str, torch.Tensor]]) -> str:
+    """Sender side of a whole push: every bucket in order; returns the weights checksum sent.
+
+    tensors: name -> tensor, or a function that returns name -> tensor for the list of names of
+    one bucket (so a sharded learner can gather one bucket at a time).
+    The returned checksum equals weights_checksum over the sent tensors in their wire dtypes.
+    """
+    entries: dict[str, DigestEntry] = {}
+    for bucket, members in enumerate(bucket_members(slots, len(bucket_sizes))):
+        names = [s.name for s in members]
+        chunk = tensors(names) if callable(tensors) else {n: tensors[n] for n in names}
+        digests = send_bucket(group, chunk, members, bucket_sizes[bucket])
+        entries.update({s.name: DigestEntry(s.dtype, s.shape, digests[s.name]) for s in members})
+    return combine_digests(entries)
+
+
+def receive_buckets(group: WeightGroup, slots: Sequence[ParamSlot],
+                    bucket_sizes: Sequence[int]) -> Iterator[tuple[torch.Tensor, list[ParamSlot]]]:
+    """Receiver side: yields (bucket buffer, its slots) for each bucket in index order.
+
+    Each buffer is a fresh (size,) uint8 tensor on this rank's device, filled by the broadcast
+    from rank 0; unpack_bucket(buffer, slots) gives the parameters, bucket_digests their digests.
+    """
+    for bucket, members in enumerate(bucket_members(slots, len(bucket_sizes))):
+        buffer = torch.empty(bucket_sizes[bucket], dtype=torch.uint8, device=group.device)
+        group.broadcast_from_learner(buffer)
+        yield buffer, members
+
+
+# ----------------------------------------------------------------------------------------------
+# ipc: CUDA IPC handles of packed buckets (learner and engine share a GPU)
+
+
+def device_uuid(device: torch.device | int | None = None) -> str:
+    """The physical GPU's UUID ("GPU-..."), the same in every process whatever CUDA_VISIBLE_DEVICES."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else device)
+    return f"GPU-{props.uuid}"
+
+
+def share_bucket_ipc(buffer: torch.Tensor, bucket: int) -> rollout_pb2.IpcBucket:
+    """Sender side: a CUDA IPC handle of a packed bucket buffer (from pack_bucket on a GPU).
+
+    Keep `buffer` alive (and unmodified) until the engine's UpdateWeights reply has arrived.
+    """
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    if buffer.device.type != "cuda" or buffer.dtype != torch.uint8 or buffer.dim() != 1:
+        raise ValueError("share_bucket_ipc needs a 1-D uint8 CUDA buffer from pack_bucket")
+    _, args = reduce_tensor(buffer)
+    (_, size, _stride, tensor_offset, _storage_cls, _dtype, _device, handle, storage_size_bytes,
+     storage_offset_bytes, _requires_grad, ref_counter_handle, ref_counter_offset, event_handle,
+     event_sync_required) = args
+    return rollout_pb2.IpcBucket(
+        bucket=bucket, device_uuid=device_uuid(buffer.device), nbytes=int(size[0]),
+        tensor_offset=int(tensor_offset), storage_handle=bytes(handle),
+        storage_size_bytes=int(storage_size_bytes), storage_offset_bytes=int(storage_offset_bytes),
+        ref_counter_handle=bytes(ref_counter_handle), ref_counter_offset=int(ref_counter_offset),
+        event_handle=bytes(event_handle) if event_handle else b"",
+        event_sync_required=bool(event_sync_required))
+
+
+def open_bucket_ipc(msg: rollout_pb2.IpcBucket, device: torch.device | int | None = None) -> torch.Tensor:
+    """Receiver side: the (nbytes,) uint8 buffer behind an IpcBucket, mapped on this process's device."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    if device is None:
+        index = torch.cuda.current_device()
+    else:
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        index = torch.cuda.current_device() if dev.index is None else dev.index
+    return rebuild_cuda_tensor(
+        torch.Tensor, (msg.nbytes,), (1,), msg.tensor_offset, torch.storage.TypedStorage, torch.uint8,
+        index, msg.storage_handle, msg.storage_size_bytes, msg.storage_offset_bytes, False,
+        msg.ref_counter_handle, msg.ref_counter_offset, msg.event_handle or None,
+        msg.event_sync_required)
+
+
+# ----------------------------------------------------------------------------------------------
+# gRPC messages
+
+
+def slots_to_proto(slots: Sequence[ParamSlot]) -> list[rollout_pb2.ParameterMeta]:
+    return [rollout_pb2.ParameterMeta(name=s.name, dtype=WIRE_DTYPES[s.dtype], shape=list(s.shape),
+                                      bucket=s.bucket, offset_bytes=s.offset) for s in slots]
+
+
+def slots_from_proto(params: Sequence[rollout_pb2.ParameterMeta]) -> list[ParamSlot]:
+    """Raises ValueError naming the parameter whose dtype is not a wire dtype."""
+    slots = []
+    for i, p in enumerate(params):
+        if p.dtype not in PROTO_TO_WIRE_DTYPE:
+            raise ValueError(f"params[{i}] {p.name!r}: dtype {p.dtype} is not one of FLOAT32, BFLOAT16, FLOAT16")
+        slots.append(ParamSlot(p.name, PROTO_TO_WIRE_DTYPE[p.dtype], tuple(int(d) for d in p.shape),
+                               int(p.bucket), int(p.offset_bytes)))
+    return slots
+
+
+def update_weights_request(version: int, slots: Sequence[ParamSlot], bucket_sizes: Sequence[int],
+                           chunk_index: int = 0, final: bool = True,
+                           ipc_buckets: Sequence[rollout_pb2.IpcBucket] = ()) -> rollout_pb2.UpdateWeightsRequest:
+    """The UpdateWeights request describing one chunk of a push (by default the whole push)."""
+    return rollout_pb2.UpdateWeightsRequest(
+        version=version, chunk_index=chunk_index, final=final, params=slots_to_proto(slots),
+        bucket_bytes=list(bucket_sizes), ipc_buckets=list(ipc_buckets))

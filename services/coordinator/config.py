@@ -1,0 +1,426 @@
+"""The coordinator's configuration: the flags OpenRLHF users already type, plus placement.
+
+Every flag of `openrlhf.cli.train_ppo_ray` that the seed documents use keeps its name and meaning
+(`--actor_num_gpus_per_node`, `--vllm_num_engines`, `--advantage_estimator group_norm`, ...), so a
+command line moves over by changing only the module name. rlmesh's own additions (where the
+services run, their addresses, run folders) are grouped at the end.
+
+`validate()` runs once at start-up: contradictions fail with a message that says what to change;
+flags that only mean something on a GPU give a warning on CPU and are turned off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import warnings
+
+from services.common.config import ConfigError, opt
+from services.common.server import ServerConfig
+
+ADVANTAGE_ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo")
+# Estimators whose baseline is the other samples of the same prompt.
+GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")
+PLACEMENTS = ("auto", "local", "ray", "static")
+
+
+class GpuOnlyFlagWarning(UserWarning):
+    """A flag that only has an effect on a GPU was given on a CPU-only machine."""
+
+
+@dataclasses.dataclass
+class CoordinatorConfig(ServerConfig):
+    """Trains a policy with PPO / GRPO / RLOO / REINFORCE++ over the rollout, reward and learner services."""
+
+    # ---- where the models run (GPU counts; on CPU each count is a number of processes) -------
+    actor_num_nodes: int = opt(1, "nodes for the actor (policy) learner")
+    actor_num_gpus_per_node: int = opt(1, "GPUs per node for the actor; the learner runs one DeepSpeed rank per GPU")
+    critic_num_nodes: int = opt(1, "nodes for the critic (used only with --advantage_estimator gae)")
+    critic_num_gpus_per_node: int = opt(1, "GPUs per node for the critic")
+    reward_num_nodes: int = opt(1, "nodes for the reward model (ignored with --remote_rm_url / --reward_func)")
+    reward_num_gpus_per_node: int = opt(1, "GPUs per node for the reward model; one reward service per GPU")
+    ref_num_nodes: int = opt(1, "nodes for the reference model (used when --init_kl_coef > 0)")
+    ref_num_gpus_per_node: int = opt(1, "GPUs per node for the reference model; one reference service per GPU")
+    vllm_num_engines: int = opt(1, "number of rollout services (one vLLM engine each)")
+    vllm_tensor_parallel_size: int = opt(1, "GPUs per vLLM engine (tensor parallel)")
+    vllm_gpu_memory_utilization: float = opt(
+        0.0, "fraction of GPU memory vLLM may use; 0 = 0.9 on GPU, 0.5 when colocated, 0.1 on CPU "
+        "(where vLLM reads it as a fraction of host memory)")
+    vllm_sync_backend: str = opt("auto", "weight transfer backend learner -> rollout; auto = gloo on CPU, "
+                                 "ipc when colocated on GPU, nccl otherwise", choices=["auto", "nccl", "gloo", "ipc"])
+    vllm_max_num_seqs: int = opt(0, "vLLM max_num_seqs (concurrent sequences per engine); 0 = vLLM's default")
+    vllm_max_num_batched_tokens: int = opt(0, "vLLM max_num_batched_tokens; 0 = vLLM's default")
+    vllm_quantization: str = opt("", "vLLM quantization method, e.g. awq; empty = none")
+    enable_prefix_caching: bool = opt(False, "vLLM prefix caching (helps when prompts share prefixes)")
+    enforce_eager: bool = opt(False, "disable CUDA graphs in vLLM (slower, less memory)")
+    colocate_all_models: bool = opt(False, "actor, critic, reward, reference and vLLM share the actor's GPUs; "
+                                    "needs actor GPUs == vllm_num_engines x vllm_tensor_parallel_size")
+    colocate_actor_ref: bool = opt(False, "the reference model shares the actor's GPUs")
+    colocate_critic_reward: bool = opt(False, "the reward model shares the critic's GPUs")
+    vllm_enable_sleep: bool = opt(False, "vLLM frees its GPU memory between generations (GPU only)")
+    deepspeed_enable_sleep: bool = opt(False, "the learner offloads its states to CPU between trainings (GPU only)")
+
+    # ---- models and rewards -------------------------------------------------------------------
+    pretrain: str = opt("", "local folder of the policy model (HF format); also the reference model by default")
+    ref_pretrain: str = opt("", "local folder of the reference model; empty = --pretrain")
+    critic_pretrain: str = opt("", "local folder to initialise the critic from; empty = --reward_pretrain or --pretrain")
+    reward_pretrain: str = opt("", "local folder of a reward model (HF sequence classification, one label)")
+    remote_rm_url: str = opt("", "reward server URL(s), comma separated, or a Python file defining reward_func")
+    reward_func: str = opt("", "built-in rule reward instead of a model: math, exact_match or format "
+                           "(comma separated rules add up)")
+    normalize_reward: bool = opt(False, "normalise rewards with the mean/std stored in the reward model's config")
+    reward_clip_range: list[float] = opt([-10.0, 10.0], "rewards are clipped to [low, high]")
+
+    # ---- outputs and checkpoints --------------------------------------------------------------
+    save_path: str = opt("./ckpt", "folder of the final model (HF format) written at the end")
+    ckpt_path: str = opt("./ckpt/checkpoints_ppo", "folder of the resumable checkpoints (global_step_N/...)")
+    save_steps: int = opt(-1, "checkpoint every N global steps; -1 = only at the end")
+    logging_steps: int = opt(1, "log metrics every N global steps")
+    load_checkpoint: bool = opt(False, "resume from the latest complete checkpoint under --ckpt_path")
+    max_ckpt_num: int = opt(3, "number of checkpoints kept under --ckpt_path")
+    save_hf_ckpt: bool = opt(False, "with each checkpoint also export the actor in HF format")
+    save_value_network: bool = opt(False, "also save the critic in HF format at the end")
+    disable_ds_ckpt: bool = opt(False, "do not write DeepSpeed checkpoints (no resume possible)")
+    use_ds_universal_ckpt: bool = opt(False, "write DeepSpeed universal checkpoints (loadable under another ZeRO stage)")
+
+    # ---- batch sizes and lengths --------------------------------------------------------------
+    micro_train_batch_size: int = opt(8, "samples per forward/backward on each learner rank")
+    train_batch_size: int = opt(128, "samples per optimizer step (global, across ranks)")
+    micro_rollout_batch_size: int = opt(16, "samples per LogProbs / Values / Score call")
+    rollout_batch_size: int = opt(1024, "prompts per global step (each sampled --n_samples_per_prompt times)")
+    n_samples_per_prompt: int = opt(1, "responses sampled per prompt; > 1 for the group estimators")
+    max_epochs: int = opt(1, "passes over each rollout batch in training")
+    num_episodes: int = opt(1, "passes over the prompt data")
+    max_steps: int = opt(0, "stop after this global step; 0 = run all episodes")
+    max_samples: int = opt(1_000_000_000, "use at most this many prompts from the data")
+    prompt_max_len: int = opt(1024, "prompts longer than this many tokens are skipped (counted in the log)")
+    generate_max_len: int = opt(1024, "most tokens generated per response")
+
+    # ---- optimisation -------------------------------------------------------------------------
+    zero_stage: int = opt(2, "DeepSpeed ZeRO stage", choices=[0, 1, 2, 3])
+    bf16: bool = opt(False, "train in bfloat16")
+    actor_learning_rate: float = opt(1e-6, "actor learning rate")
+    critic_learning_rate: float = opt(9e-6, "critic learning rate")
+    lr_warmup_ratio: float = opt(0.03, "fraction of training steps spent warming up the learning rate")
+    lr_scheduler: str = opt("cosine_with_min_lr", "learning-rate schedule after the warm-up (cosine decays over "
+                            "the run's optimizer steps)", choices=["constant_with_warmup", "cosine_with_min_lr"])
+    max_norm: float = opt(1.0, "gradient clipping norm")
+    l2: float = opt(0.0, "weight decay")
+    adam_offload: bool = opt(False, "keep Adam states in CPU memory (GPU only)")
+    gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
+    flash_attn: bool = opt(False, "FlashAttention 2 in the learner (GPU only)")
+    packing_samples: bool = opt(False, "pack samples without padding in the learner")
+
+    # ---- the RL objective ---------------------------------------------------------------------
+    advantage_estimator: str = opt("gae", "advantage estimator (group_norm = GRPO)", choices=list(ADVANTAGE_ESTIMATORS))
+    no_advantage_std_norm: bool = opt(False, "whiten advantages by the mean only, not the std")
+    init_kl_coef: float = opt(0.01, "KL coefficient (reward penalty, or loss weight with --use_kl_loss); 0 = no KL and no reference model")
+    kl_target: float = opt(0.0, "adaptive KL target; 0 = fixed coefficient")
+    kl_horizon: int = opt(10000, "adaptive KL horizon (samples)")
+    use_kl_loss: bool = opt(False, "KL as a loss term (GRPO) instead of a reward penalty")
+    kl_estimator: str = opt("k1", "KL estimator", choices=["k1", "k2", "k3"])
+    gamma: float = opt(1.0, "discount factor")
+    lambd: float = opt(1.0, "GAE lambda")
+    eps_clip: float = opt(0.2, "PPO clip range")
+    eps_clip_low_high: list[float] = opt([], "asymmetric clip range LOW HIGH (e.g. 0.2 0.28); overrides --eps_clip")
+    dual_clip: float = opt(0.0, "dual-clip constant c > 1 for negative advantages; 0 = off")
+    value_clip: float = opt(0.5, "value clip range")
+    policy_loss_type: str = opt("ppo", "policy loss: token ratios (ppo) or sequence ratios (gspo)", choices=["ppo", "gspo"])
+    entropy_loss_coef: float = opt(0.0, "entropy bonus coefficient")
+    dynamic_filtering: bool = opt(False, "DAPO dynamic sampling: drop prompts whose samples all get the same reward, and refill")
+    dynamic_filtering_reward_range: list[float] = opt(
+        [0.0, 1.0], "with --dynamic_filtering keep a prompt when LOW < mean reward < HIGH")
+    dynamic_filtering_max_rounds: int = opt(8, "with --dynamic_filtering, extra generation rounds per step before training on fewer prompts")
+    overlong_buffer_len: int = opt(0, "DAPO overlong penalty: responses longer than generate_max_len - N are penalised; 0 = off")
+    overlong_penalty_factor: float = opt(1.0, "penalty at generate_max_len with --overlong_buffer_len")
+
+    # ---- sampling -----------------------------------------------------------------------------
+    temperature: float = opt(1.0, "sampling temperature")
+    top_p: float = opt(1.0, "nucleus sampling")
+    top_k: int = opt(-1, "top-k sampling; -1 = off")
+
+    # ---- data ---------------------------------------------------------------------------------
+    prompt_data: str = opt("", "prompt data: JSONL / Parquet / Arrow files or save_to_disk folders, comma separated")
+    prompt_data_probs: str = opt("", "blending probabilities of --prompt_data, comma separated; empty = equal")
+    input_key: str = opt("input", "field of the prompt text")
+    label_key: str = opt("", "field of the reference answer, passed to the reward (e.g. answer)")
+    apply_chat_template: bool = opt(False, "format prompts with the tokenizer's chat template")
+    input_template: str = opt("", "format string with {} for the prompt, e.g. 'Question: {}\\nAnswer:'")
+
+    # ---- logging ------------------------------------------------------------------------------
+    use_wandb: str = opt("", "Weights & Biases: an API key, 'offline', or 'True' (use the saved login); empty = off")
+    wandb_org: str = opt("", "W&B entity")
+    wandb_project: str = opt("rlmesh", "W&B project")
+    wandb_group: str = opt("", "W&B group")
+    wandb_run_name: str = opt("", "run name for W&B and the run folder; empty = <estimator>_<time>")
+    use_tensorboard: str = opt("", "TensorBoard log folder; empty = off")
+    seed: int = opt(42, "seed of the data order and the sampling")
+
+    # ---- rlmesh: where the services are --------------------------------------------------------
+    placement: str = opt("auto", "how the services are found: local subprocesses, Ray actors, or fixed "
+                         "addresses; auto = ray inside a Ray job, static when addresses are given, else local",
+                         choices=list(PLACEMENTS))
+    rollout_engine: str = opt("vllm", "rollout engine of the services this run starts", choices=["vllm", "hf"])
+    device: str = opt("auto", "device of the services this run starts; auto = cuda when available",
+                      choices=["auto", "cpu", "cuda"])
+    rollout_addresses: list[str] = opt([], "static: host:port of each rollout service (env RLMESH_ROLLOUT_ADDRESSES)")
+    reward_addresses: list[str] = opt([], "static: host:port of each reward service (env RLMESH_REWARD_ADDRESSES)")
+    ref_addresses: list[str] = opt([], "static: host:port of each reference service (env RLMESH_REF_ADDRESSES)")
+    learner_address: str = opt("", "static: host:port of the learner's rank 0 (env RLMESH_LEARNER_ADDRESS)")
+    weight_sync_master: str = opt("", "host:port the learner's rank 0 opens for weight transfer; empty = "
+                                  "the learner's host and a free port")
+    service_start_timeout_s: float = opt(900.0, "how long to wait for a service to report SERVING")
+    rollout_extra_args: str = opt("", "extra command-line options for every rollout service, e.g. '--max_model_len 2048'")
+    reward_extra_args: str = opt("", "extra command-line options for every reward / reference service")
+    learner_extra_args: str = opt("", "extra command-line options for the learner")
+    ray_address: str = opt("", "ray: cluster address; empty = RAY_ADDRESS, else a local Ray instance")
+    ray_num_cpus: int = opt(0, "ray: CPUs of the local Ray instance this run starts; 0 = all")
+    ray_cpus_per_service: float = opt(0.1, "ray: CPUs reserved for each service actor (GPU counts come from the *_num_gpus_per_node flags)")
+    run_dir: str = opt("", "folder of metrics.jsonl, service logs and plots; empty = runs/<run name>")
+    progress_bar: bool = opt(True, "show a progress bar per step when stderr is a terminal")
+    rpc_timeout_s: float = opt(1800.0, "deadline of the long calls (Generate, TrainActor, PushWeights)")
+
+    # The coordinator's own gRPC API (GetStatus, StreamMetrics, Pause, Resume, Stop) and metrics.
+    host: str = opt("127.0.0.1", "address the coordinator's control API binds to")
+    metrics_port: int = opt(0, "Prometheus port of the training metrics; 0 picks a free port, -1 disables")
+
+    # ---- derived in validate() ----------------------------------------------------------------
+    on_gpu: bool = opt(False, "services run on GPUs", derived=True)
+    critic_needed: bool = opt(False, "the estimator needs a critic (gae)", derived=True)
+    ref_needed: bool = opt(False, "a reference model is needed (init_kl_coef > 0)", derived=True)
+    reward_model_needed: bool = opt(False, "rewards come from a reward model service role", derived=True)
+
+    # ------------------------------------------------------------------------------------------
+
+    def actor_gpus(self) -> int:
+        return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+    def samples_per_step(self) -> int:
+        return self.rollout_batch_size * self.n_samples_per_prompt
+
+    def validate(self) -> None:
+        self.validate_server()
+        self._resolve_placement()
+        self._check_models()
+        self._check_placement_counts()
+        self._check_batches()
+        self._check_objective()
+        self._check_gpu_only_flags()
+
+    def _resolve_placement(self) -> None:
+        env_lists = {"rollout_addresses": "RLMESH_ROLLOUT_ADDRESSES", "reward_addresses": "RLMESH_REWARD_ADDRESSES",
+                     "ref_addresses": "RLMESH_REF_ADDRESSES"}
+        for name, env in env_lists.items():
+            if not getattr(self, name) and os.environ.get(env):
+                setattr(self, name, [a.strip() for a in os.environ[env].split(",") if a.strip()])
+        if not self.learner_address:
+            self.learner_address = os.environ.get("RLMESH_LEARNER_ADDRESS", "")
+        given = bool(self.rollout_addresses or self.learner_address or self.reward_addresses or self.ref_addresses)
+        if self.placement == "auto":
+            if given:
+                self.placement = "static"
+            elif os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"):
+                self.placement = "ray"
+            else:
+                self.placement = "local"
+        if self.placement == "static":
+            if not self.rollout_addresses:
+                raise ConfigError("--placement static needs --rollout_addresses HOST:PORT ... "
+                                  "(or env RLMESH_ROLLOUT_ADDRESSES)")
+            if not self.learner_address:
+                raise ConfigError("--placement static needs --learner_address HOST:PORT (or env RLMESH_LEARNER_ADDRESS)")
+        elif given:
+            raise ConfigError(f"service addresses were given but --placement is {self.placement}; "
+                              "use --placement static (or drop the addresses to let the coordinator start the services)")
+        if self.device == "auto":
+            if self.placement == "local":
+                import torch
+                self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.on_gpu = self.device == "cuda"
+
+    def _check_models(self) -> None:
+        if not self.pretrain and self.placement != "static":
+            raise ConfigError("--pretrain is required: a local folder with the policy model "
+                              "(e.g. build one with `rlmesh make-tiny-model runs/tiny`)")
+        if not self.prompt_data:
+            raise ConfigError("--prompt_data is required: JSONL / Parquet / Arrow file(s) or save_to_disk folder(s)")
+        if self.placement == "local":
+            for name in ("pretrain", "ref_pretrain", "critic_pretrain", "reward_pretrain"):
+                path = getattr(self, name)
+                if path and not pathlib.Path(path).is_dir():
+                    raise ConfigError(f"--{name} {path}: no such folder; rlmesh does not download models, "
+                                      "give a local folder in Hugging Face format")
+        sources = [n for n in ("reward_pretrain", "remote_rm_url", "reward_func") if getattr(self, n)]
+        if self.placement != "static" or not self.reward_addresses:
+            if len(sources) != 1:
+                raise ConfigError("give exactly one reward source: --reward_pretrain DIR, --remote_rm_url URL|file.py "
+                                  f"or --reward_func math|exact_match|format (got {sources or 'none'})")
+        rules = [r.strip() for r in self.reward_func.split(",") if r.strip()]
+        if any(r not in ("math", "exact_match", "format") for r in rules):
+            raise ConfigError(f"--reward_func {self.reward_func}: use math, exact_match or format "
+                              "(several comma separated add up)")
+        if any(r in ("math", "exact_match") for r in rules) and not self.label_key:
+            raise ConfigError(f"--reward_func {self.reward_func} compares answers with labels; "
+                              "set --label_key to the data field holding the answer")
+        self.reward_model_needed = bool(self.reward_pretrain)
+        if self.normalize_reward and self.reward_pretrain and self.placement == "local":
+            model_config = pathlib.Path(self.reward_pretrain) / "config.json"
+            stats = json.loads(model_config.read_text()) if model_config.is_file() else {}
+            if "mean" not in stats or "std" not in stats:
+                # OpenRLHF reads mean 0 / std 1 then, i.e. no normalisation; say so instead of failing.
+                warnings.warn(f"--normalize_reward: {model_config} stores no reward 'mean' / 'std', so there is "
+                              "nothing to normalise with; rewards are used as the model gives them", stacklevel=2)
+                self.normalize_reward = False
+        self.critic_needed = self.advantage_estimator == "gae"
+        self.ref_needed = self.init_kl_coef > 0
+        if len(self.reward_clip_range) != 2 or self.reward_clip_range[0] > self.reward_clip_range[1]:
+            raise ConfigError(f"--reward_clip_range {self.reward_clip_range}: give LOW HIGH with LOW <= HIGH")
+
+    def _check_placement_counts(self) -> None:
+        for role in ("actor", "critic", "reward", "ref"):
+            nodes, gpus = getattr(self, f"{role}_num_nodes"), getattr(self, f"{role}_num_gpus_per_node")
+            if nodes < 0 or gpus < 0:
+                raise ConfigError(f"--{role}_num_nodes / --{role}_num_gpus_per_node must be >= 0")
+        if self.actor_gpus() < 1:
+            raise ConfigError("the actor needs at least one GPU (or process on CPU): "
+                              "set --actor_num_nodes >= 1 and --actor_num_gpus_per_node >= 1")
+        if self.vllm_num_engines < 1 or self.vllm_tensor_parallel_size < 1:
+            raise ConfigError("--vllm_num_engines and --vllm_tensor_parallel_size must be >= 1")
+        if self.placement == "static":
+            return
+        if self.colocate_all_models and self.actor_gpus() != self.vllm_num_engines * self.vllm_tensor_parallel_size:
+            raise ConfigError(
+                f"--colocate_all_models puts vLLM on the actor's GPUs, so actor GPUs "
+                f"({self.actor_num_nodes} x {self.actor_num_gpus_per_node} = {self.actor_gpus()}) must equal "
+                f"--vllm_num_engines x --vllm_tensor_parallel_size ({self.vllm_num_engines} x "
+                f"{self.vllm_tensor_parallel_size} = {self.vllm_num_engines * self.vllm_tensor_parallel_size}); "
+                "change one side")
+        if self.colocate_actor_ref and not self.colocate_all_models and self.ref_needed:
+            if self.ref_num_nodes and (self.ref_num_nodes, self.ref_num_gpus_per_node) != (
+                    self.actor_num_nodes, self.actor_num_gpus_per_node):
+                raise ConfigError("--colocate_actor_ref places the reference on the actor's GPUs: set --ref_num_nodes / "
+                                  "--ref_num_gpus_per_node equal to the actor's (or to 0)")
+        if self.colocate_critic_reward and not self.colocate_all_models and self.reward_model_needed:
+            if self.reward_num_nodes and (self.reward_num_nodes, self.reward_num_gpus_per_node) != (
+                    self.critic_num_nodes, self.critic_num_gpus_per_node):
+                raise ConfigError("--colocate_critic_reward places the reward model on the critic's GPUs: set "
+                                  "--reward_num_nodes / --reward_num_gpus_per_node equal to the critic's (or to 0)")
+        if self.ref_needed and not (self.colocate_all_models or self.colocate_actor_ref) and \
+                self.ref_num_nodes * self.ref_num_gpus_per_node < 1:
+            raise ConfigError("--init_kl_coef > 0 needs the reference model: set --ref_num_nodes and "
+                              "--ref_num_gpus_per_node >= 1 (or --colocate_actor_ref), or --init_kl_coef 0")
+        if self.reward_model_needed and not (self.colocate_all_models or self.colocate_critic_reward) and \
+                self.reward_num_nodes * self.reward_num_gpus_per_node < 1:
+            raise ConfigError("--reward_pretrain needs the reward model placed: set --reward_num_nodes and "
+                              "--reward_num_gpus_per_node >= 1 (or --colocate_critic_reward)")
+
+    def _check_batches(self) -> None:
+        for name in ("micro_train_batch_size", "train_batch_size", "micro_rollout_batch_size", "rollout_batch_size",
+                     "n_samples_per_prompt", "max_epochs", "num_episodes", "prompt_max_len", "generate_max_len",
+                     "logging_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} {getattr(self, name)} must be >= 1")
+        samples = self.samples_per_step()
+        if samples % self.train_batch_size:
+            raise ConfigError(
+                f"--train_batch_size {self.train_batch_size} must divide the samples of one step: "
+                f"--rollout_batch_size x --n_samples_per_prompt = {self.rollout_batch_size} x "
+                f"{self.n_samples_per_prompt} = {samples}; e.g. use --train_batch_size "
+                f"{max(d for d in range(1, samples + 1) if samples % d == 0 and d <= self.train_batch_size)}")
+        ranks = self.actor_gpus()
+        if self.train_batch_size % (self.micro_train_batch_size * ranks):
+            raise ConfigError(
+                f"--train_batch_size {self.train_batch_size} must be a multiple of --micro_train_batch_size x actor "
+                f"ranks = {self.micro_train_batch_size} x {ranks}; change either")
+        if self.max_steps < 0:
+            raise ConfigError("--max_steps must be >= 0 (0 = run all episodes)")
+        if self.save_steps == 0:
+            raise ConfigError("--save_steps 0: use -1 to save only at the end, or N >= 1")
+        if self.max_ckpt_num < 1:
+            raise ConfigError("--max_ckpt_num must be >= 1")
+        if self.load_checkpoint and not self.ckpt_path:
+            raise ConfigError("--load_checkpoint needs --ckpt_path (the same folder the run saved to)")
+        if self.prompt_data_probs:
+            probs = [float(p) for p in self.prompt_data_probs.split(",")]
+            if len(probs) != len(self.prompt_data.split(",")):
+                raise ConfigError(f"--prompt_data_probs has {len(probs)} values for "
+                                  f"{len(self.prompt_data.split(','))} --prompt_data entries; give one per entry")
+
+    def _check_objective(self) -> None:
+        if self.advantage_estimator in GROUP_ESTIMATORS and self.n_samples_per_prompt < 2:
+            raise ConfigError(f"--advantage_estimator {self.advantage_estimator} compares the samples of one prompt: "
+                              "set --n_samples_per_prompt >= 2 (e.g. 8)")
+        if self.dynamic_filtering:
+            if self.n_samples_per_prompt < 2:
+                raise ConfigError("--dynamic_filtering drops prompts whose samples all score the same: "
+                                  "set --n_samples_per_prompt >= 2")
+            low_high = self.dynamic_filtering_reward_range
+            if len(low_high) != 2 or low_high[0] >= low_high[1]:
+                raise ConfigError(f"--dynamic_filtering_reward_range {low_high}: give LOW HIGH with LOW < HIGH")
+        if self.eps_clip_low_high and len(self.eps_clip_low_high) != 2:
+            raise ConfigError("--eps_clip_low_high takes two numbers: LOW HIGH (e.g. 0.2 0.28)")
+        if self.dual_clip and self.dual_clip <= 1:
+            raise ConfigError(f"--dual_clip {self.dual_clip} must be > 1 (or 0 to disable)")
+        if self.overlong_buffer_len < 0 or self.overlong_buffer_len >= self.generate_max_len:
+            raise ConfigError(f"--overlong_buffer_len {self.overlong_buffer_len} must be in [0, --generate_max_len)")
+        if self.temperature < 0:
+            raise ConfigError(f"--temperature {self.temperature} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top_p {self.top_p} must be in (0, 1]")
+        if self.use_kl_loss and self.init_kl_coef <= 0:
+            warnings.warn("--use_kl_loss has no effect with --init_kl_coef 0; set e.g. --init_kl_coef 0.001", stacklevel=2)
+        if self.use_ds_universal_ckpt:
+            warnings.warn("--use_ds_universal_ckpt: the learner writes regular DeepSpeed checkpoints; ignored",
+                          stacklevel=2)
+        if self.critic_needed and self.critic_num_nodes * self.critic_num_gpus_per_node not in (
+                0, self.actor_gpus()) and not self.colocate_all_models:
+            warnings.warn("the learner trains the critic on the actor's ranks; --critic_num_nodes / "
+                          "--critic_num_gpus_per_node only need to be >= 1", stacklevel=2)
+        if self.save_value_network:
+            warnings.warn("--save_value_network: the critic is kept in the learner's DeepSpeed checkpoints "
+                          "(global_step_N/critic); no separate HF export of it is written", stacklevel=2)
+        if not self.critic_needed and (self.critic_pretrain or self.save_value_network):
+            warnings.warn(f"--advantage_estimator {self.advantage_estimator} trains no critic; "
+                          "--critic_pretrain / --save_value_network are ignored", stacklevel=2)
+
+    def _check_gpu_only_flags(self) -> None:
+        if self.device != "auto":
+            self.resolve_device(self.device == "cuda")
+
+    def resolve_device(self, on_gpu: bool) -> None:
+        """Fixes the device once it is known (local: at validation; ray: from the cluster's resources).
+
+        On CPU the GPU-only flags would fail or do nothing: each gives a warning and is turned off.
+        """
+        self.device = "cuda" if on_gpu else "cpu"
+        self.on_gpu = on_gpu
+        if on_gpu:
+            if self.vllm_gpu_memory_utilization == 0:
+                self.vllm_gpu_memory_utilization = 0.5 if self.colocate_all_models else 0.9
+            return
+        for name in ("flash_attn", "vllm_enable_sleep", "deepspeed_enable_sleep", "adam_offload"):
+            if getattr(self, name):
+                warnings.warn(f"--{name} needs a GPU; ignored on CPU", GpuOnlyFlagWarning, stacklevel=2)
+                setattr(self, name, False)
+        if self.bf16:
+            warnings.warn("--bf16 on CPU: bfloat16 training on CPU is slow; kept as asked",
+                          GpuOnlyFlagWarning, stacklevel=2)
+        if self.vllm_sync_backend in ("nccl", "ipc"):
+            warnings.warn(f"--vllm_sync_backend {self.vllm_sync_backend} needs GPUs; using gloo on CPU",
+                          GpuOnlyFlagWarning, stacklevel=2)
+            self.vllm_sync_backend = "gloo"
+        if self.vllm_gpu_memory_utilization == 0:
+            self.vllm_gpu_memory_utilization = 0.1
+        elif self.vllm_gpu_memory_utilization > 0.3:
+            warnings.warn(f"--vllm_gpu_memory_utilization {self.vllm_gpu_memory_utilization}: on CPU vLLM reserves "
+                          "this fraction of host memory; using 0.1", GpuOnlyFlagWarning, stacklevel=2)
+            self.vllm_gpu_memory_utilization = 0.1
+
+    def sync_backend(self) -> str:
+        if self.vllm_sync_backend != "auto":
+            return self.vllm_sync_backend
+        if not self.on_gpu:
+            return "gloo"
+        return "ipc" if self.colocate_all_models else "nccl"

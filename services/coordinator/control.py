@@ -1,0 +1,189 @@
+"""The coordinator's control API (rlmesh.coordinator.v1.CoordinatorService) and the run state it reads.
+
+`RunControl` is the one object the training loop and the API share: the loop writes the step,
+phase and state into it and checks it between steps (pause, stop); the servicer reads it and
+sets the requests. Everything runs on the coordinator's event loop, so no locks are needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rlmesh.coordinator.v1 import coordinator_pb2 as pb
+from rlmesh.coordinator.v1 import coordinator_pb2_grpc
+from services.common.client import make_channel
+from services.common.errors import handle_errors
+from services.coordinator.metrics import MetricsLog
+
+SERVICE_NAME = "rlmesh.coordinator.v1.CoordinatorService"
+
+
+@dataclasses.dataclass
+class ServiceEntry:
+    role: str
+    index: int
+    address: str
+    weight_version: int = 0
+
+
+class RunControl:
+    """Shared state of one run: what the loop is doing and what the API asked for."""
+
+    def __init__(self, placement: str):
+        self.placement = placement
+        self.state = pb.RUN_STATE_STARTING
+        self.phase = pb.PHASE_STARTING
+        self.global_step = 0
+        self.total_steps = 0
+        self.episode = 1
+        self.last_checkpoint_step = 0
+        self.weight_version = 0
+        self.error = ""
+        self.run_dir = ""
+        self.started = time.monotonic()
+        self.services: list[ServiceEntry] = []
+        self.metrics: MetricsLog | None = None
+        self.metrics_ready = asyncio.Event()  # set once `metrics` exists (after a resume is loaded)
+        self.stop_requested = False
+        self.stop_checkpoint = True
+        self._resume = asyncio.Event()
+        self._resume.set()
+        self.finished = asyncio.Event()
+
+    # ---- requests from the API ----
+    def request_pause(self) -> None:
+        self._resume.clear()
+
+    def request_resume(self) -> None:
+        self._resume.set()
+        if self.state == pb.RUN_STATE_PAUSED:
+            self.state = pb.RUN_STATE_RUNNING
+
+    def request_stop(self, checkpoint: bool = True) -> None:
+        self.stop_requested = True
+        self.stop_checkpoint = self.stop_checkpoint and checkpoint
+        self._resume.set()  # a paused run must wake up to stop
+        if self.state in (pb.RUN_STATE_RUNNING, pb.RUN_STATE_PAUSED, pb.RUN_STATE_STARTING):
+            self.state = pb.RUN_STATE_STOPPING
+
+    @property
+    def pause_requested(self) -> bool:
+        return not self._resume.is_set()
+
+    # ---- used by the loop ----
+    def set_phase(self, phase: int) -> None:
+        self.phase = phase
+
+    async def wait_while_paused(self) -> None:
+        """Between steps: blocks while a pause is requested (the state reads PAUSED meanwhile)."""
+        if self._resume.is_set():
+            return
+        self.state, self.phase = pb.RUN_STATE_PAUSED, pb.PHASE_IDLE
+        await self._resume.wait()
+        if not self.stop_requested:
+            self.state = pb.RUN_STATE_RUNNING
+
+    def attach_metrics(self, metrics: MetricsLog) -> None:
+        self.metrics = metrics
+        self.metrics_ready.set()
+
+    def finish(self, error: str = "") -> None:
+        self.error = error
+        self.state = pb.RUN_STATE_FAILED if error else pb.RUN_STATE_FINISHED
+        self.phase = pb.PHASE_IDLE
+        self.finished.set()
+
+
+async def _health(address: str, timeout_s: float = 3.0) -> tuple[int, str]:
+    try:
+        async with make_channel(address, default_timeout_s=timeout_s) as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        return pb.SERVICE_HEALTH_UNREACHABLE, f"{exc.code().name}: {exc.details()}"
+    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+        return pb.SERVICE_HEALTH_SERVING, ""
+    return pb.SERVICE_HEALTH_NOT_SERVING, health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
+    def __init__(self, control: RunControl):
+        self.control = control
+
+    @handle_errors
+    async def GetStatus(self, request, context):
+        c = self.control
+        checks = await asyncio.gather(*(_health(s.address) for s in c.services))
+        services = [pb.ServiceStatus(role=s.role, index=s.index, address=s.address, health=health, detail=detail,
+                                     weight_version=s.weight_version)
+                    for s, (health, detail) in zip(c.services, checks)]
+        return pb.GetStatusResponse(global_step=c.global_step, total_steps=c.total_steps, episode=c.episode,
+                                    phase=c.phase, state=c.state, services=services, run_dir=c.run_dir,
+                                    last_checkpoint_step=c.last_checkpoint_step, weight_version=c.weight_version,
+                                    elapsed_s=time.monotonic() - c.started, error=c.error, placement=c.placement)
+
+    @handle_errors
+    async def StreamMetrics(self, request, context):
+        c = self.control
+        # A client may connect while the services are still starting: wait for the metrics log.
+        ready = asyncio.ensure_future(c.metrics_ready.wait())
+        ended = asyncio.ensure_future(c.finished.wait())
+        await asyncio.wait({ready, ended}, return_when=asyncio.FIRST_COMPLETED)
+        ready.cancel()
+        ended.cancel()
+        if c.metrics is None:
+            return
+        queue = c.metrics.subscribe()
+        try:
+            if request.since_step >= 0:
+                for record in list(c.metrics.history):
+                    if record["global_step"] > request.since_step:
+                        yield _metrics_message(record)
+            while True:
+                record = await queue.get()  # None once the run has ended (MetricsLog.close)
+                if record is None:
+                    break
+                if record["global_step"] > request.since_step:
+                    yield _metrics_message(record)
+        finally:
+            c.metrics.unsubscribe(queue)
+
+    @handle_errors
+    async def Pause(self, request, context):
+        c = self.control
+        if c.state in (pb.RUN_STATE_RUNNING, pb.RUN_STATE_STARTING, pb.RUN_STATE_PAUSED):
+            c.request_pause()
+        return pb.PauseResponse(state=c.state, pause_after_step=c.global_step + (c.state != pb.RUN_STATE_PAUSED))
+
+    @handle_errors
+    async def Resume(self, request, context):
+        self.control.request_resume()
+        return pb.ResumeResponse(state=self.control.state)
+
+    @handle_errors
+    async def Stop(self, request, context):
+        c = self.control
+        if not c.finished.is_set():
+            c.request_stop(checkpoint=not request.skip_checkpoint)
+        final_step = c.global_step + (c.phase not in (pb.PHASE_IDLE, pb.PHASE_STARTING))
+        if request.wait:
+            await c.finished.wait()
+            final_step = c.global_step
+        checkpoint_step = c.last_checkpoint_step if c.finished.is_set() and c.stop_checkpoint else 0
+        return pb.StopResponse(state=c.state, final_step=final_step, checkpoint_step=checkpoint_step)
+
+
+def _metrics_message(record: dict) -> pb.StreamMetricsResponse:
+    values = {k: float(v) for k, v in record.items() if k not in ("global_step", "unix_time")}
+    return pb.StreamMetricsResponse(global_step=int(record["global_step"]), unix_time=float(record["unix_time"]),
+                                    metrics=values)
+
+
+def add_to_runner(runner, control: RunControl) -> CoordinatorServicer:
+    servicer = CoordinatorServicer(control)
+    runner.add(coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server, servicer, SERVICE_NAME)
+    return servicer

@@ -1,0 +1,145 @@
+"""Starting a service as a child process and stopping it again, whatever happens.
+
+The local placement and the Ray actors both use this: `python -m services.<name> --host H --port 0
+--ready_file F ...` is started in its own process group with its output in a log file; it is ready
+once it has written the ready file (with the port it bound) and reports SERVING over
+grpc.health.v1. Stopping sends SIGTERM (the service drains in-flight calls), then SIGKILL to the
+whole process group after a grace period, so engine subprocesses (vLLM's engine core, learner
+ranks) never outlive the run. On Linux each child also gets SIGTERM if this process dies first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import dataclasses
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+from services.common.client import wait_for_serving
+from services.common.log import get_logger, log_event
+
+_log = get_logger("coordinator")
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+_PR_SET_PDEATHSIG = 1
+
+
+class ServiceStartError(RuntimeError):
+    """A service process exited or did not become ready; the message quotes its log."""
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies (Linux), and its own process group."""
+    os.setsid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: the coordinator's own shutdown path still stops the child
+
+
+def log_tail(path: pathlib.Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+@dataclasses.dataclass
+class ServiceProcess:
+    """One running service: its process, address and log."""
+
+    name: str  # e.g. "rollout-0"
+    module: str  # e.g. "services.rollout"
+    process: subprocess.Popen
+    log_path: pathlib.Path
+    ready_file: pathlib.Path
+    address: str = ""
+    metrics_port: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, grace_s: float = 30.0) -> int | None:
+        """SIGTERM, wait up to grace_s, then SIGKILL the process group; returns the exit code."""
+        if self.alive():
+            try:
+                self.process.send_signal(signal.SIGTERM)
+                self.process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                log_event(_log, "service.kill", service=self.name, pid=self.pid, after_s=grace_s)
+        # The group outlives a well-behaved parent only when something leaked; kill whatever is left.
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        return self.process.returncode
+
+
+def spawn_service(name: str, module: str, argv: list[str], log_dir: pathlib.Path, host: str = "127.0.0.1",
+                  env: dict[str, str] | None = None) -> ServiceProcess:
+    """Starts `python -m module --host host --port 0 --ready_file F argv...` without waiting."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    ready_file = log_dir / f"{name}.ready.json"
+    ready_file.unlink(missing_ok=True)
+    log_path = log_dir / f"{name}.log"
+    command = [sys.executable, "-m", module, "--host", host, "--port", "0", "--ready_file", str(ready_file), *argv]
+    child_env = {**os.environ, **(env or {})}
+    # The service imports `services` and the generated `rlmesh` package from the repository.
+    child_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO_ROOT), str(REPO_ROOT / "protos"), child_env.get("PYTHONPATH", "")) if p)
+    with open(log_path, "ab") as log_file:
+        log_file.write(f"$ {' '.join(command)}\n".encode())
+        log_file.flush()
+        process = subprocess.Popen(command, cwd=str(REPO_ROOT), env=child_env, stdin=subprocess.DEVNULL,
+                                   stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+    log_event(_log, "service.spawned", service=name, pid=process.pid, log=str(log_path))
+    return ServiceProcess(name, module, process, log_path, ready_file)
+
+
+async def wait_until_ready(service: ServiceProcess, timeout_s: float) -> ServiceProcess:
+    """Waits for the ready file, then for health SERVING; raises ServiceStartError with the log tail."""
+    deadline = time.monotonic() + timeout_s
+    while not service.ready_file.exists():
+        if not service.alive():
+            raise ServiceStartError(f"{service.name} exited with code {service.process.returncode} before it was "
+                                    f"ready; last lines of {service.log_path}:\n{log_tail(service.log_path)}")
+        if time.monotonic() > deadline:
+            raise ServiceStartError(f"{service.name} did not write its ready file within {timeout_s:.0f} s; "
+                                    f"last lines of {service.log_path}:\n{log_tail(service.log_path)}")
+        await asyncio.sleep(0.1)
+    info = json.loads(service.ready_file.read_text())
+    service.address, service.metrics_port = info["address"], info.get("metrics_port")
+    try:
+        await wait_for_serving(service.address, max(deadline - time.monotonic(), 5.0))
+    except TimeoutError as exc:
+        raise ServiceStartError(f"{service.name}: {exc}; last lines of {service.log_path}:\n"
+                                f"{log_tail(service.log_path)}") from exc
+    log_event(_log, "service.ready", service=service.name, address=service.address, pid=service.pid)
+    return service
+
+
+def stop_all(services: list[ServiceProcess], grace_s: float = 30.0) -> None:
+    """SIGTERM every service at once (they drain in parallel), then collect them one by one."""
+    for service in services:
+        if service.alive():
+            try:
+                service.process.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace_s
+    for service in services:
+        code = service.stop(max(deadline - time.monotonic(), 0.1))
+        log_event(_log, "service.stopped", service=service.name, pid=service.pid, code=code)

@@ -1,0 +1,299 @@
+"""Where the services are: started here as subprocesses (local), found at fixed addresses (static),
+or placed on a Ray cluster (ray, see ray_placement.py). All three hand the loop the same
+`Endpoints`; every call after that is gRPC, so the loop has one code path.
+
+The command line of each service is built here from the coordinator's flags (the OpenRLHF names)
+so a user never has to repeat an option per service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import pathlib
+import shlex
+import socket
+
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.client import make_channel, wait_for_serving
+from services.common.log import get_logger, log_event
+from services.coordinator.config import CoordinatorConfig
+from services.coordinator.launcher import ServiceProcess, spawn_service, stop_all, wait_until_ready
+
+_log = get_logger("coordinator")
+REFERENCE_SERVICE = "rlmesh.reward.v1.ReferenceService"
+
+
+@dataclasses.dataclass
+class Endpoints:
+    """host:port of every service the loop talks to."""
+
+    rollout: list[str]
+    reward: list[str]  # RewardService (Score)
+    reference: list[str]  # ReferenceService (RefLogProbs); may be the same processes as reward
+    learner: str  # the learner's rank 0
+
+
+@dataclasses.dataclass
+class ServiceSpec:
+    """One service process to start: its name, module, arguments, GPUs and environment."""
+
+    name: str  # e.g. "rollout-0"
+    module: str  # e.g. "services.rollout"
+    argv: list[str]
+    roles: tuple[str, ...]  # what it serves: rollout, reward, reference, learner
+    num_gpus: float = 0.0
+    gpu_ids: list[int] = dataclasses.field(default_factory=list)  # local placement on GPUs
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# Command lines
+
+
+def rollout_argv(cfg: CoordinatorConfig) -> list[str]:
+    argv = ["--pretrain", cfg.pretrain, "--engine", cfg.rollout_engine,
+            "--tensor_parallel_size", str(cfg.vllm_tensor_parallel_size),
+            "--gpu_memory_utilization", str(cfg.vllm_gpu_memory_utilization),
+            "--max_model_len", str(cfg.prompt_max_len + cfg.generate_max_len),
+            "--seed", str(cfg.seed), "--metrics_port", "0",
+            "--enable_prefix_caching" if cfg.enable_prefix_caching else "--no-enable_prefix_caching"]
+    if cfg.bf16:
+        argv += ["--dtype", "bfloat16"]
+    if cfg.enforce_eager:
+        argv.append("--enforce_eager")
+    if cfg.vllm_enable_sleep:
+        argv.append("--enable_sleep_mode")
+    if cfg.vllm_max_num_seqs:
+        argv += ["--max_num_seqs", str(cfg.vllm_max_num_seqs)]
+    if cfg.vllm_max_num_batched_tokens:
+        argv += ["--max_num_batched_tokens", str(cfg.vllm_max_num_batched_tokens)]
+    if cfg.vllm_quantization:
+        argv += ["--quantization", cfg.vllm_quantization]
+    if cfg.rollout_engine == "hf" and not cfg.on_gpu:
+        argv += ["--hf_device", "cpu"]
+    return argv + shlex.split(cfg.rollout_extra_args)
+
+
+def reward_argv(cfg: CoordinatorConfig, reward: bool, reference: bool) -> list[str]:
+    argv = ["--device", "cuda" if cfg.on_gpu else "cpu", "--metrics_port", "0"]
+    if reward:
+        if cfg.reward_pretrain:
+            argv += ["--reward_pretrain", cfg.reward_pretrain, "--reward_dtype", "bf16" if cfg.bf16 else "fp32"]
+        elif cfg.remote_rm_url:
+            argv += ["--remote_rm_url", cfg.remote_rm_url]
+        else:
+            argv += ["--reward_func", cfg.reward_func]
+        argv += ["--reward_clip_range", *map(str, cfg.reward_clip_range),
+                 "--reward_micro_batch_size", str(cfg.micro_rollout_batch_size)]
+        if cfg.normalize_reward:
+            argv.append("--normalize_reward")
+    if reference:
+        # The same dtype as the learner's, so reference and policy log-probs are computed alike.
+        argv += ["--ref_pretrain", cfg.ref_pretrain or cfg.pretrain, "--ref_dtype", "bf16" if cfg.bf16 else "fp32",
+                 "--ref_micro_batch_size", str(cfg.micro_rollout_batch_size)]
+    return argv + shlex.split(cfg.reward_extra_args)
+
+
+def learner_optimizer_steps(cfg: CoordinatorConfig, total_steps: int) -> int:
+    """Optimizer steps of the whole run, for the learning-rate schedule."""
+    return max(1, total_steps * cfg.samples_per_step() // cfg.train_batch_size * cfg.max_epochs)
+
+
+def learner_argv(cfg: CoordinatorConfig, total_steps: int, num_ranks: int) -> list[str]:
+    argv = ["--pretrain", cfg.pretrain, "--num_gpus", str(num_ranks),
+            "--zero_stage", str(cfg.zero_stage), "--actor_learning_rate", str(cfg.actor_learning_rate),
+            "--train_batch_size", str(cfg.train_batch_size), "--micro_train_batch_size", str(cfg.micro_train_batch_size),
+            "--micro_forward_batch_size", str(cfg.micro_rollout_batch_size),
+            "--max_norm", str(cfg.max_norm), "--l2", str(cfg.l2), "--lr_warmup_ratio", str(cfg.lr_warmup_ratio),
+            "--lr_scheduler", cfg.lr_scheduler, "--max_steps", str(learner_optimizer_steps(cfg, total_steps)),
+            "--max_len", str(cfg.prompt_max_len + cfg.generate_max_len),
+            "--max_ckpt_num", str(cfg.max_ckpt_num), "--seed", str(cfg.seed), "--metrics_port", "0"]
+    if cfg.critic_needed:
+        argv += ["--critic_pretrain", cfg.critic_pretrain or cfg.reward_pretrain or cfg.pretrain,
+                 "--critic_learning_rate", str(cfg.critic_learning_rate)]
+    for flag in ("bf16", "gradient_checkpointing", "adam_offload", "packing_samples"):
+        if getattr(cfg, flag):
+            argv.append(f"--{flag}")
+    if cfg.flash_attn:
+        argv += ["--attn_implementation", "flash_attention_2"]
+    return argv + shlex.split(cfg.learner_extra_args)
+
+
+# ----------------------------------------------------------------------------------------------
+# Which processes a run needs
+
+
+def role_instances(cfg: CoordinatorConfig, role: str) -> int:
+    """Service instances of the reward or reference role: one per GPU (one per count on CPU)."""
+    if cfg.colocate_all_models or (role == "ref" and cfg.colocate_actor_ref):
+        return cfg.actor_gpus() if cfg.on_gpu else 1
+    if role == "reward" and cfg.colocate_critic_reward:
+        return max(1, cfg.critic_num_nodes * cfg.critic_num_gpus_per_node) if cfg.on_gpu else 1
+    return max(1, getattr(cfg, f"{role}_num_nodes") * getattr(cfg, f"{role}_num_gpus_per_node"))
+
+
+def service_specs(cfg: CoordinatorConfig, total_steps: int) -> list[ServiceSpec]:
+    """The processes of a run, with their GPUs for a single machine (local placement)."""
+    specs: list[ServiceSpec] = []
+    # DeepSpeed insists on LOCAL_RANK even for a plainly started rank 0 (ranks it spawns get their own).
+    specs.append(ServiceSpec("learner", "services.learner", learner_argv(cfg, total_steps, cfg.actor_gpus()),
+                             ("learner",), num_gpus=cfg.actor_gpus(), env={"LOCAL_RANK": "0"}))
+    for i in range(cfg.vllm_num_engines):
+        specs.append(ServiceSpec(f"rollout-{i}", "services.rollout", rollout_argv(cfg), ("rollout",),
+                                 num_gpus=cfg.vllm_tensor_parallel_size))
+    n_reward = role_instances(cfg, "reward")
+    n_ref = role_instances(cfg, "ref") if cfg.ref_needed else 0
+    # On CPU (and when everything shares GPUs) one process serves both roles: one model load less.
+    merge = not cfg.on_gpu or cfg.colocate_all_models
+    n_merged = min(n_reward, n_ref) if merge else 0
+    for i in range(n_merged):
+        specs.append(ServiceSpec(f"reward-ref-{i}", "services.reward", reward_argv(cfg, True, True),
+                                 ("reward", "reference"), num_gpus=1))
+    for i in range(n_merged, n_reward):
+        specs.append(ServiceSpec(f"reward-{i}", "services.reward", reward_argv(cfg, True, False), ("reward",),
+                                 num_gpus=1))
+    for i in range(n_merged, n_ref):
+        specs.append(ServiceSpec(f"ref-{i}", "services.reward", reward_argv(cfg, False, True), ("reference",),
+                                 num_gpus=1))
+    if not cfg.on_gpu:
+        for spec in specs:
+            spec.num_gpus = 0
+        return specs
+    assign_local_gpus(cfg, specs)
+    return specs
+
+
+def assign_local_gpus(cfg: CoordinatorConfig, specs: list[ServiceSpec]) -> None:
+    """GPU ids per process on this machine: colocated roles share the actor's GPUs, others get their own."""
+    import torch
+
+    available = torch.cuda.device_count()
+    learner = specs[0]
+    learner.gpu_ids = list(range(cfg.actor_gpus()))
+    next_free = cfg.actor_gpus()
+    engines = [s for s in specs if "rollout" in s.roles]
+    for i, spec in enumerate(engines):
+        tp = cfg.vllm_tensor_parallel_size
+        if cfg.colocate_all_models:
+            spec.gpu_ids = list(range(i * tp, (i + 1) * tp))
+        else:
+            spec.gpu_ids = list(range(next_free, next_free + tp))
+            next_free += tp
+    for i, spec in enumerate(s for s in specs if "reward" in s.roles or "reference" in s.roles):
+        shares_actor = cfg.colocate_all_models or (spec.roles == ("reference",) and cfg.colocate_actor_ref)
+        if shares_actor:
+            spec.gpu_ids = [i % cfg.actor_gpus()]
+        else:
+            spec.gpu_ids = [next_free]
+            next_free += 1
+    needed = max(max(s.gpu_ids, default=-1) for s in specs) + 1
+    if needed > available:
+        raise RuntimeError(f"this placement needs {needed} GPUs on this machine but {available} are visible; lower "
+                           "the *_num_gpus_per_node / --vllm_num_engines flags, use --colocate_all_models, or "
+                           "--placement ray for several machines")
+    for spec in specs:
+        spec.env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec.gpu_ids))
+
+
+def endpoints_from(specs: list[ServiceSpec], addresses: list[str]) -> Endpoints:
+    by_role = lambda role: [a for s, a in zip(specs, addresses) if role in s.roles]  # noqa: E731
+    return Endpoints(rollout=by_role("rollout"), reward=by_role("reward"), reference=by_role("reference"),
+                     learner=by_role("learner")[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# local
+
+
+class LocalPlacement:
+    """Starts every service as a subprocess on free loopback ports; stops them all on exit."""
+
+    name = "local"
+
+    def __init__(self, cfg: CoordinatorConfig, run_dir: pathlib.Path, total_steps: int):
+        self.cfg, self.run_dir, self.total_steps = cfg, run_dir, total_steps
+        self.processes: list[ServiceProcess] = []
+
+    async def start(self) -> Endpoints:
+        specs = service_specs(self.cfg, self.total_steps)
+        log_dir = self.run_dir / "logs"
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1"} if not self.cfg.on_gpu else {}
+        for spec in specs:
+            self.processes.append(spawn_service(spec.name, spec.module, spec.argv, log_dir, "127.0.0.1",
+                                                env={**env, **spec.env}))
+        # They load their models in parallel; the first that fails stops the wait.
+        waits = [asyncio.ensure_future(wait_until_ready(p, self.cfg.service_start_timeout_s)) for p in self.processes]
+        try:
+            await asyncio.gather(*waits)
+        except BaseException:
+            for w in waits:
+                w.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+            raise
+        return endpoints_from(specs, [p.address for p in self.processes])
+
+    async def weight_sync_master(self, endpoints: Endpoints) -> tuple[str, int]:
+        return "127.0.0.1", free_port()
+
+    async def stop(self) -> None:
+        await asyncio.to_thread(stop_all, self.processes, 30.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# static
+
+
+async def serves(address: str, service: str, timeout_s: float = 5.0) -> bool:
+    """Whether the server at address reports `service` SERVING (grpc.health.v1 per service)."""
+    try:
+        async with make_channel(address, default_timeout_s=timeout_s) as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service))
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except Exception:  # noqa: BLE001 - NOT_FOUND (no such service) or unreachable: it does not serve it
+        return False
+
+
+class StaticPlacement:
+    """Services started elsewhere (docker compose, Kubernetes, by hand): wait until they serve."""
+
+    name = "static"
+
+    def __init__(self, cfg: CoordinatorConfig):
+        self.cfg = cfg
+
+    async def start(self) -> Endpoints:
+        cfg = self.cfg
+        addresses = [*cfg.rollout_addresses, *cfg.reward_addresses, *cfg.ref_addresses, cfg.learner_address]
+        await asyncio.gather(*(wait_for_serving(a, cfg.service_start_timeout_s) for a in dict.fromkeys(addresses)))
+        if not cfg.reward_addresses:
+            raise RuntimeError("--placement static needs --reward_addresses (or env RLMESH_REWARD_ADDRESSES)")
+        reference = list(cfg.ref_addresses)
+        if cfg.ref_needed and not reference:
+            # A reward service started with --ref_pretrain serves both roles.
+            flags = await asyncio.gather(*(serves(a, REFERENCE_SERVICE) for a in cfg.reward_addresses))
+            reference = [a for a, ok in zip(cfg.reward_addresses, flags) if ok]
+            if not reference:
+                raise RuntimeError("--init_kl_coef > 0 needs a reference service: give --ref_addresses, start a "
+                                   "reward service with --ref_pretrain, or set --init_kl_coef 0")
+        log_event(_log, "static.ready", rollout=",".join(cfg.rollout_addresses), learner=cfg.learner_address)
+        return Endpoints(list(cfg.rollout_addresses), list(cfg.reward_addresses), reference, cfg.learner_address)
+
+    async def weight_sync_master(self, endpoints: Endpoints) -> tuple[str, int] | None:
+        if self.cfg.weight_sync_master:
+            host, _, port = self.cfg.weight_sync_master.rpartition(":")
+            return host, int(port)
+        host = endpoints.learner.rpartition(":")[0]
+        if host in ("127.0.0.1", "localhost", "[::1]", socket.gethostname()):
+            return "127.0.0.1" if host != socket.gethostname() else host, free_port()
+        return None  # the loop asks for --weight_sync_master
+
+    async def stop(self) -> None:
+        """Services started elsewhere keep running."""

@@ -1,0 +1,289 @@
+"""Placing the services on a Ray cluster: the coordinator is the Ray driver.
+
+Resources are reserved up front as placement groups built from the OpenRLHF flags: one GPU bundle
+per learner rank (--actor_num_nodes x --actor_num_gpus_per_node), one per GPU of each vLLM engine
+(--vllm_num_engines x --vllm_tensor_parallel_size), one per reward / reference instance. Colocated
+roles (--colocate_all_models, --colocate_actor_ref, --colocate_critic_reward) share the actor's
+bundles (strategy PACK) and each takes a fraction of a GPU. On a cluster without GPUs every
+service gets a CPU bundle of --ray_cpus_per_service.
+
+Each service runs as a `ServiceHost` actor placed on its bundle. The actor starts the service's
+usual entry point (`python -m services.<name>`, the same command as the local placement) as a
+child process on its node, with CUDA_VISIBLE_DEVICES naming the GPUs of its bundles, waits until
+it serves, and reports its address; the coordinator then talks gRPC to it like to any other. A
+learner over several GPUs runs one actor per rank (rank 0 serves gRPC and drives the others).
+Stopping the run stops every child, kills the actors and removes the placement groups; if the
+driver dies, Ray kills its actors and the children follow (they get SIGTERM when their parent dies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import pathlib
+import socket
+import warnings
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from services.common.log import get_logger, log_event
+from services.coordinator.config import CoordinatorConfig
+from services.coordinator.launcher import ServiceStartError, log_tail, spawn_service, wait_until_ready
+from services.coordinator.placement import Endpoints, ServiceSpec, learner_argv, reward_argv, role_instances, rollout_argv
+
+_log = get_logger("coordinator")
+
+
+class ServiceHost:
+    """Ray actor: runs one service process on its node and reports where it listens."""
+
+    def __init__(self, name: str, log_dir: str, driver_ip: str):
+        self.name = name
+        self.service = None
+        # Logs go to the run folder when this actor shares the driver's node, else to /tmp there.
+        here = ray.util.get_node_ip_address()
+        self.log_dir = pathlib.Path(log_dir if here == driver_ip else f"/tmp/rlmesh-logs/{pathlib.Path(log_dir).parent.name}")
+
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def start(self, module: str, argv: list[str], env: dict[str, str], wait: bool, timeout_s: float) -> dict:
+        host = ray.util.get_node_ip_address()
+        self.service = spawn_service(self.name, module, argv, self.log_dir, host=host, env=env)
+        if wait:
+            asyncio.run(wait_until_ready(self.service, timeout_s))
+        return {"address": self.service.address, "pid": self.service.pid, "log": str(self.service.log_path),
+                "node_ip": host}
+
+    def alive(self) -> bool:
+        return self.service is not None and self.service.alive()
+
+    def tail(self) -> str:
+        return log_tail(self.service.log_path) if self.service is not None else ""
+
+    def stop(self, grace_s: float = 30.0) -> int | None:
+        return self.service.stop(grace_s) if self.service is not None else None
+
+
+@dataclasses.dataclass
+class Placed:
+    spec: ServiceSpec
+    bundles: list[tuple[object, int]]  # (placement group, bundle index), first = where the actor sits
+    share: float = 0.0  # GPU fraction the actor takes on its first bundle
+    rank: int = -1  # learner rank for per-rank learner actors
+    actor: object = None
+    address: str = ""
+
+
+class RayPlacement:
+    name = "ray"
+
+    def __init__(self, cfg: CoordinatorConfig, run_dir: pathlib.Path, total_steps: int):
+        self.cfg, self.run_dir, self.total_steps = cfg, run_dir, total_steps
+        self.groups: list = []
+        self.placed: list[Placed] = []
+        self.started_ray = False
+        self.learner_host: Placed | None = None
+
+    # ---- the cluster ----
+    def _connect(self) -> None:
+        cfg = self.cfg
+        if ray.is_initialized():
+            return
+        address = cfg.ray_address or os.environ.get("RAY_ADDRESS") or None
+        if address:
+            ray.init(address=address, log_to_driver=False)
+        else:
+            ray.init(num_cpus=cfg.ray_num_cpus or None, include_dashboard=False, log_to_driver=False)
+            self.started_ray = True
+        gpus = ray.cluster_resources().get("GPU", 0)
+        if cfg.device == "auto":
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                cfg.resolve_device(gpus > 0)
+            for w in caught:
+                log_event(_log, "config.warning", level=30, message=str(w.message))
+        log_event(_log, "ray.connected", address=address or "local", gpus=gpus,
+                  cpus=ray.cluster_resources().get("CPU", 0))
+
+    def _group(self, bundles: list[dict], strategy: str = "PACK"):
+        group = placement_group(bundles, strategy=strategy)
+        self.groups.append(group)
+        return group
+
+    async def _wait_groups(self) -> None:
+        needed = {}
+        for g in self.groups:
+            for b in g.bundle_specs:
+                for k, v in b.items():
+                    needed[k] = needed.get(k, 0) + v
+        try:
+            await asyncio.wait_for(asyncio.gather(*(g.ready() for g in self.groups)), self.cfg.service_start_timeout_s)
+        except asyncio.TimeoutError:
+            raise RuntimeError(f"the Ray cluster could not reserve {needed} within {self.cfg.service_start_timeout_s:.0f} s "
+                               f"(it has {ray.cluster_resources()}); lower the *_num_gpus_per_node / "
+                               "--vllm_num_engines flags or use colocation") from None
+
+    # ---- what goes where ----
+    def _plan(self) -> list[Placed]:
+        cfg = self.cfg
+        specs_reward = role_instances(cfg, "reward")
+        specs_ref = role_instances(cfg, "ref") if cfg.ref_needed else 0
+        learner_spec = lambda ranks: ServiceSpec("learner", "services.learner",  # noqa: E731
+                                                 learner_argv(cfg, self.total_steps, ranks), ("learner",))
+        rollout_specs = [ServiceSpec(f"rollout-{i}", "services.rollout", rollout_argv(cfg), ("rollout",))
+                         for i in range(cfg.vllm_num_engines)]
+        # As in the local placement: one process serves both roles on CPU or when everything is colocated.
+        merge = not cfg.on_gpu or cfg.colocate_all_models
+        reward_specs = [ServiceSpec(f"reward-ref-{i}" if merge and i < specs_ref else f"reward-{i}", "services.reward",
+                                    reward_argv(cfg, True, merge and i < specs_ref),
+                                    ("reward", "reference") if merge and i < specs_ref else ("reward",))
+                        for i in range(specs_reward)]
+        ref_specs = [ServiceSpec(f"ref-{i}", "services.reward", reward_argv(cfg, False, True), ("reference",))
+                     for i in range(specs_reward if merge else 0, specs_ref)]
+        if not cfg.on_gpu:
+            # CPU cluster: one CPU bundle per process; a multi-rank learner starts its ranks itself.
+            specs = [learner_spec(cfg.actor_gpus()), *rollout_specs, *reward_specs, *ref_specs]
+            group = self._group([{"CPU": cfg.ray_cpus_per_service} for _ in specs])
+            return [Placed(s, [(group, i)]) for i, s in enumerate(specs)]
+        return self._plan_gpus(learner_spec, rollout_specs, reward_specs, ref_specs)
+
+    def _plan_gpus(self, learner_spec, rollout_specs, reward_specs, ref_specs) -> list[Placed]:
+        cfg = self.cfg
+        one_gpu = lambda n: [{"GPU": 1, "CPU": cfg.ray_cpus_per_service} for _ in range(n)]  # noqa: E731
+        actor_group = self._group(one_gpu(cfg.actor_gpus()))
+        actor_bundles = [(actor_group, i) for i in range(cfg.actor_gpus())]
+        placed: list[Placed] = []
+        # One actor per learner rank; each rank sees one GPU.
+        ranks = cfg.actor_gpus()
+        for r in range(ranks):
+            spec = learner_spec(ranks) if r == 0 else dataclasses.replace(learner_spec(ranks), name=f"learner-rank{r}")
+            placed.append(Placed(spec, [actor_bundles[r]], rank=r))
+        tp = cfg.vllm_tensor_parallel_size
+        if cfg.colocate_all_models:
+            engine_bundles = actor_bundles
+        else:
+            group = self._group(one_gpu(cfg.vllm_num_engines * tp))
+            engine_bundles = [(group, i) for i in range(cfg.vllm_num_engines * tp)]
+        for i, spec in enumerate(rollout_specs):
+            placed.append(Placed(spec, engine_bundles[i * tp:(i + 1) * tp]))
+        for role, specs, shares_actor in (("reward", reward_specs, cfg.colocate_all_models or cfg.colocate_critic_reward),
+                                          ("ref", ref_specs, cfg.colocate_all_models or cfg.colocate_actor_ref)):
+            if not specs:
+                continue
+            if shares_actor:
+                bundles = actor_bundles
+            else:
+                group = self._group(one_gpu(len(specs)))
+                bundles = [(group, i) for i in range(len(specs))]
+            for i, spec in enumerate(specs):
+                placed.append(Placed(spec, [bundles[i % len(bundles)]]))
+        # Actors sharing a bundle split its GPU; the reservation itself is the placement group's.
+        users: dict[tuple, int] = {}
+        for p in placed:
+            key = (id(p.bundles[0][0]), p.bundles[0][1])
+            users[key] = users.get(key, 0) + 1
+        for p in placed:
+            p.share = int(100 / users[(id(p.bundles[0][0]), p.bundles[0][1])]) / 100
+        return placed
+
+    async def _probe_gpus(self) -> dict[tuple, tuple[str, str]]:
+        """(group id, bundle) -> (node ip, physical GPU id) for every GPU bundle."""
+
+        @ray.remote(num_gpus=0.01, num_cpus=0)
+        def probe():
+            return ray.util.get_node_ip_address(), str(ray.get_gpu_ids()[0])
+
+        keys = {(id(g), i): (g, i) for p in self.placed for g, i in p.bundles}
+        refs = {k: probe.options(scheduling_strategy=PlacementGroupSchedulingStrategy(g, placement_group_bundle_index=i))
+                .remote() for k, (g, i) in keys.items()}
+        return {k: await ref for k, ref in refs.items()}
+
+    # ---- start / stop ----
+    async def start(self) -> Endpoints:
+        cfg = self.cfg
+        self._connect()
+        self.placed = self._plan()
+        await self._wait_groups()
+        gpu_of = await self._probe_gpus() if cfg.on_gpu else {}
+        driver_ip = ray.util.get_node_ip_address()
+        log_dir = str((self.run_dir / "logs").resolve())
+        host_cls = ray.remote(ServiceHost)
+        for p in self.placed:
+            group, index = p.bundles[0]
+            p.actor = host_cls.options(
+                num_cpus=0 if cfg.on_gpu else cfg.ray_cpus_per_service, num_gpus=p.share,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
+            ).remote(p.spec.name, log_dir, driver_ip)
+            if cfg.on_gpu:
+                located = [gpu_of[(id(g), i)] for g, i in p.bundles]
+                if len({node for node, _ in located}) > 1:
+                    raise RuntimeError(f"{p.spec.name} would span nodes {sorted({n for n, _ in located})}; keep "
+                                       "--vllm_tensor_parallel_size <= GPUs per node")
+                p.spec.env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu for _, gpu in located)
+            else:
+                p.spec.env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
+        await self._start_learner()
+        others = [p for p in self.placed if "learner" not in p.spec.roles]
+        results = await asyncio.gather(*(self._start_one(p, wait=True) for p in others), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+        by_role = lambda role: [p.address for p in self.placed if role in p.spec.roles and p.address]  # noqa: E731
+        return Endpoints(rollout=by_role("rollout"), reward=by_role("reward"), reference=by_role("reference"),
+                         learner=self.learner_host.address)
+
+    async def _start_one(self, p: Placed, wait: bool, env: dict | None = None) -> None:
+        try:
+            info = await p.actor.start.remote(p.spec.module, p.spec.argv, {**p.spec.env, **(env or {})}, wait,
+                                              self.cfg.service_start_timeout_s)
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if isinstance(exc.cause, ServiceStartError) else exc
+            raise ServiceStartError(f"{p.spec.name} on Ray: {cause}") from None
+        p.address = info["address"]
+        log_event(_log, "ray.service_ready" if wait else "ray.service_started", service=p.spec.name,
+                  address=p.address or "-", node=info["node_ip"], log=info["log"])
+
+    async def _start_learner(self) -> None:
+        ranks = [p for p in self.placed if "learner" in p.spec.roles]
+        self.learner_host = ranks[0]
+        if len(ranks) == 1:
+            await self._start_one(ranks[0], wait=True)
+            return
+        # Rank 0 hosts the rendezvous store on a port free on its node; the others join it.
+        master_ip = await ranks[0].actor.node_ip.remote()
+        master_port = await ranks[0].actor.free_port.remote()
+        env = lambda r: {"RANK": str(r), "WORLD_SIZE": str(len(ranks)), "LOCAL_RANK": "0",  # noqa: E731
+                         "MASTER_ADDR": master_ip, "MASTER_PORT": str(master_port)}
+        workers = [self._start_one(p, wait=False, env=env(p.rank)) for p in ranks[1:]]
+        await asyncio.gather(self._start_one(ranks[0], wait=True, env=env(0)), *workers)
+
+    async def weight_sync_master(self, endpoints: Endpoints) -> tuple[str, int]:
+        actor = self.learner_host.actor
+        return await actor.node_ip.remote(), await actor.free_port.remote()
+
+    async def stop(self) -> None:
+        if not ray.is_initialized():
+            return
+        stops = [p.actor.stop.remote(30.0) for p in self.placed if p.actor is not None]
+        if stops:
+            try:
+                await asyncio.wait_for(asyncio.gather(*stops, return_exceptions=True), 60.0)
+            except asyncio.TimeoutError:
+                log_event(_log, "ray.stop_timeout", action="killing the actors")
+        for p in self.placed:
+            if p.actor is not None:
+                ray.kill(p.actor)
+        for group in self.groups:
+            remove_placement_group(group)
+        if self.started_ray:
+            ray.shutdown()
+        log_event(_log, "ray.stopped", services=len(self.placed))

@@ -1,0 +1,138 @@
+"""Generation across every rollout engine, balanced by outstanding samples, streamed.
+
+A batch of prompts is cut into chunks in a fixed way (so a chunk's seed, and with it its samples,
+do not depend on timing); each chunk becomes one streamed Generate call on the engine with the
+fewest samples still outstanding. Every sample is handed to `on_sample` the moment it arrives, so
+scoring and log-probs run while generation continues. When an engine fails (UNAVAILABLE), the
+prompts of its unfinished calls are generated again on the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import math
+from collections.abc import Awaitable, Callable
+
+import grpc
+import torch
+
+from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from services.common.client import make_channel
+from services.common.log import get_logger, log_event
+from services.common.tensors import to_proto
+from services.coordinator.data import Prompt
+
+_log = get_logger("coordinator")
+ROLLOUT_SERVICE = "rlmesh.rollout.v1.RolloutService"
+IDEMPOTENT = ("GetModelInfo", "Sleep", "WakeUp")
+
+
+@dataclasses.dataclass
+class Engine:
+    index: int
+    address: str
+    stub: rollout_pb2_grpc.RolloutServiceStub
+    channel: grpc.aio.Channel
+    outstanding: int = 0  # samples requested and not yet received
+    healthy: bool = True
+    weight_version: int = 0
+
+
+def chunk_seed(seed: int, step: int, round_index: int, chunk_index: int) -> int:
+    """A 31-bit seed for one Generate call, fixed by where the chunk sits in the run."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{round_index}/{chunk_index}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+class RolloutPool:
+    """The rollout engines of a run and the calls the loop makes on them."""
+
+    def __init__(self, addresses: list[str], timeout_s: float, max_message_mb: int = 256):
+        self.timeout_s = timeout_s
+        self.engines = []
+        for i, address in enumerate(addresses):
+            channel = make_channel(address, ROLLOUT_SERVICE, idempotent_methods=IDEMPOTENT,
+                                   default_timeout_s=timeout_s, max_message_mb=max_message_mb)
+            self.engines.append(Engine(i, address, rollout_pb2_grpc.RolloutServiceStub(channel), channel))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(e.channel.close() for e in self.engines), return_exceptions=True)
+
+    def _least_loaded(self) -> Engine:
+        healthy = [e for e in self.engines if e.healthy]
+        if not healthy:
+            raise RuntimeError("every rollout engine failed; see the errors above and the services' logs")
+        return min(healthy, key=lambda e: (e.outstanding, e.index))
+
+    async def generate(self, prompts: list[Prompt], n: int, sampling: rollout_pb2.SamplingOptions,
+                       expected_version: int, seed: int, step: int, round_index: int,
+                       on_sample: Callable[[Prompt, rollout_pb2.GenerateResponse], Awaitable[None] | None],
+                       on_retry: Callable[[Prompt], None] | None = None, chunk_prompts: int = 0) -> None:
+        """Generates n samples for every prompt; returns once all have been handed to on_sample.
+
+        on_retry(prompt) is called before a prompt is generated again after an engine failure
+        (the caller drops that prompt's samples received so far).
+        """
+        if not prompts:
+            return
+        size = chunk_prompts or max(1, math.ceil(len(prompts) / (2 * len(self.engines))))
+        chunks = [prompts[i:i + size] for i in range(0, len(prompts), size)]
+        pending = [(i, chunk) for i, chunk in enumerate(chunks)]
+        failures = 0
+
+        async def run_chunk(chunk_index: int, chunk: list[Prompt]) -> None:
+            nonlocal failures
+            engine = self._least_loaded()
+            sampling_i = rollout_pb2.SamplingOptions()
+            sampling_i.CopyFrom(sampling)
+            sampling_i.seed = chunk_seed(seed, step, round_index, chunk_index)
+            request = rollout_pb2.GenerateRequest(
+                request_id=f"step{step}-r{round_index}-c{chunk_index}", n=n, sampling=sampling_i,
+                expected_weight_version=expected_version,
+                prompts=[rollout_pb2.Prompt(prompt_id=p.uid, token_ids=to_proto(torch.tensor(p.token_ids, dtype=torch.int64)))
+                         for p in chunk])
+            by_id = {p.uid: p for p in chunk}
+            received: dict[str, int] = {p.uid: 0 for p in chunk}
+            engine.outstanding += len(chunk) * n
+            remaining = len(chunk) * n
+            try:
+                async for sample in engine.stub.Generate(request, timeout=self.timeout_s):
+                    remaining -= 1
+                    engine.outstanding -= 1
+                    received[sample.prompt_id] += 1
+                    result = on_sample(by_id[sample.prompt_id], sample)
+                    if asyncio.iscoroutine(result):
+                        await result
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise RuntimeError(f"rollout {engine.index} ({engine.address}) Generate {request.request_id} "
+                                       f"failed: {exc.code().name}: {exc.details()}") from None
+                engine.healthy = False
+                failures += 1
+                log_event(_log, "rollout.engine_failed", engine=engine.index, address=engine.address,
+                          error=exc.details(), request_id=request.request_id)
+                if failures > 2 * len(self.engines):
+                    raise RuntimeError(f"rollout engines keep failing (last: {engine.address}: {exc.details()})") from None
+                unfinished = [p for p in chunk if received[p.uid] < n]
+                for p in unfinished:
+                    if on_retry is not None:
+                        on_retry(p)
+                if unfinished:
+                    await run_chunk(chunk_index, unfinished)
+            finally:
+                engine.outstanding -= remaining
+
+        await asyncio.gather(*(run_chunk(i, chunk) for i, chunk in pending))
+
+    async def model_infos(self) -> list[rollout_pb2.GetModelInfoResponse]:
+        return list(await asyncio.gather(*(e.stub.GetModelInfo(rollout_pb2.GetModelInfoRequest(), timeout=60.0)
+                                           for e in self.engines)))
+
+    async def sleep(self, level: int = 1) -> None:
+        await asyncio.gather(*(e.stub.Sleep(rollout_pb2.SleepRequest(level=level), timeout=300.0) for e in self.engines))
+
+    async def wake_up(self, tags: tuple[str, ...] = ()) -> None:
+        await asyncio.gather(*(e.stub.WakeUp(rollout_pb2.WakeUpRequest(tags=list(tags)), timeout=300.0)
+                               for e in self.engines))

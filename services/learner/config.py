@@ -1,0 +1,71 @@
+"""Configuration of the learner service (`python -m services.learner --help`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+from services.common.config import ConfigError, opt
+from services.common.server import ServerConfig
+from services.learner.deepspeed_setup import DeepSpeedOptions
+
+
+@dataclasses.dataclass
+class LearnerConfig(ServerConfig, DeepSpeedOptions):
+    """The learner: DeepSpeed actor (policy) and optional critic over N ranks; rank 0 serves gRPC."""
+
+    pretrain: str = opt("", "folder of the Hugging Face causal LM to train as the actor (required)")
+    critic_pretrain: str = opt("", "folder of the model the critic starts from (a reward model or a causal LM); "
+                               "empty = no critic (GRPO, RLOO, REINFORCE++)")
+    actor_learning_rate: float = opt(1e-6, "peak learning rate of the actor")
+    critic_learning_rate: float = opt(9e-6, "peak learning rate of the critic")
+    micro_forward_batch_size: int = opt(8, "samples per forward pass on one rank in LogProbs and Values")
+    logprobs_chunk_tokens: int = opt(0, "training: compute response log-probs from the hidden states this many "
+                                     "tokens at a time (output projection + log-softmax recomputed in backward), "
+                                     "never materialising the full logits; 0 = plain logits. ZeRO stage 0-2 only")
+    weight_bucket_mb: int = opt(1024, "PushWeights: largest bucket of parameters sent in one broadcast, MiB")
+    max_ckpt_num: int = opt(3, "SaveCheckpoint keeps at most this many checkpoints (oldest removed first)")
+    max_len: int = opt(0, "longest sequence (prompt + response) accepted, tokens; 0 = the model's "
+                       "max_position_embeddings")
+    num_gpus: int = opt(1, "ranks to run on this machine when no launcher set RANK / WORLD_SIZE (one per GPU; "
+                        "on CPU, processes); rank 0 starts the others")
+    rank: int = opt(-1, "this process's rank; -1 = from $RANK (0 when unset)")
+    world_size: int = opt(0, "number of ranks of the learner (all nodes); 0 = from $WORLD_SIZE, else num_gpus")
+    local_rank: int = opt(-1, "GPU index of this rank on its node; -1 = from $LOCAL_RANK, else rank")
+    master_addr: str = opt("", "address of rank 0's rendezvous store; empty = $MASTER_ADDR or 127.0.0.1")
+    master_port: int = opt(0, "port of rank 0's rendezvous store; 0 = $MASTER_PORT, or a free port when rank 0 "
+                           "starts the ranks itself")
+    dist_timeout_s: float = opt(600.0, "bound on every collective between ranks, seconds: a rank that stops "
+                                "answering fails the call instead of hanging it")
+    startup_timeout_s: float = opt(600.0, "how long rank 0 waits for every rank to start and load the models")
+    heartbeat_timeout_s: float = opt(60.0, "a rank whose heartbeat stops for this long is declared dead")
+
+    def validate(self) -> None:
+        self.validate_server()
+        if not self.pretrain:
+            raise ConfigError("--pretrain is required: the folder of the actor's Hugging Face model")
+        for name in ("pretrain", "critic_pretrain"):
+            path = getattr(self, name)
+            if path and not (pathlib.Path(path) / "config.json").is_file():
+                raise ConfigError(f"--{name} {path}: no Hugging Face model there (config.json is missing)")
+        if self.num_gpus < 1:
+            raise ConfigError(f"--num_gpus {self.num_gpus} must be >= 1")
+        for name in ("actor_learning_rate", "critic_learning_rate"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name} must be >= 0")
+        if self.micro_forward_batch_size < 1:
+            raise ConfigError(f"--micro_forward_batch_size {self.micro_forward_batch_size} must be >= 1")
+        if self.logprobs_chunk_tokens < 0:
+            raise ConfigError(f"--logprobs_chunk_tokens {self.logprobs_chunk_tokens} must be >= 0")
+        if self.logprobs_chunk_tokens and self.zero_stage == 3:
+            raise ConfigError("--logprobs_chunk_tokens needs --zero_stage 0, 1 or 2 (under ZeRO-3 the output "
+                              "projection is sharded); set it to 0")
+        if self.weight_bucket_mb < 1:
+            raise ConfigError(f"--weight_bucket_mb {self.weight_bucket_mb} must be >= 1")
+        if self.max_ckpt_num < 1:
+            raise ConfigError(f"--max_ckpt_num {self.max_ckpt_num} must be >= 1")
+        if self.dist_timeout_s <= 0 or self.heartbeat_timeout_s <= 0 or self.startup_timeout_s <= 0:
+            raise ConfigError("--dist_timeout_s, --startup_timeout_s and --heartbeat_timeout_s must be > 0")
+        # The data-parallel degree is only known for sure once the ranks are resolved; check what
+        # can be checked now.
+        self.validate_deepspeed(self.world_size or None)

@@ -1,0 +1,290 @@
+"""DeepSpeed engines from a typed config: ZeRO stage, precision, offload, schedule, batch sizes.
+
+The learner service builds its actor and critic with it, and the offline trainers
+(`deepspeed --module services.learner.train_sft` and friends) reuse it, so one set of flags means
+the same thing everywhere:
+
+    options = DeepSpeedOptions(zero_stage=3, bf16=True, train_batch_size=128, micro_train_batch_size=4)
+    config = deepspeed_config(options, world_size)
+    model, keep = load_pretrained(path, options, config, kind="causal_lm")  # ZeRO-3: loads into partitions
+    engine = build_engine(model, options, config, learning_rate=1e-6)
+
+Batch sizes mean what OpenRLHF users expect: train_batch_size is the number of samples per
+optimizer step over all ranks; micro_train_batch_size the samples of one forward/backward pass on
+one rank; gradient accumulation makes up the rest (train_batch_size / (micro x ranks) passes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import os
+import warnings
+from typing import Literal
+
+import torch
+
+from services.common.config import ConfigError, opt
+
+# DeepSpeed picks its accelerator when it is first imported; on a machine without CUDA it must be
+# the CPU one (gloo collectives, torch Adam).
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402
+
+# torch.distributed warns on every call DeepSpeed makes with its older collective names.
+warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+`? is deprecated.*", category=FutureWarning)
+
+LR_SCHEDULERS = ("constant_with_warmup", "cosine_with_min_lr")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+ModelKind = Literal["causal_lm", "critic"]
+
+
+@dataclasses.dataclass
+class DeepSpeedOptions:
+    """DeepSpeed and optimizer settings shared by every trainer."""
+
+    zero_stage: int = opt(2, "DeepSpeed ZeRO stage: 0 = plain data parallel, 1 = shard optimizer states, "
+                          "2 = also gradients, 3 = also parameters", choices=[0, 1, 2, 3])
+    bf16: bool = opt(False, "bfloat16 parameters and activations (fp32 master weights and gradient "
+                     "accumulation); otherwise float32")
+    gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass: less memory, "
+                                       "about a third more compute")
+    adam_offload: bool = opt(False, "keep Adam states and fp32 master weights in host memory (DeepSpeedCPUAdam); "
+                             "needs ZeRO stage >= 1")
+    max_norm: float = opt(1.0, "gradient clipping: bound on the global L2 norm of the gradients; 0 disables")
+    micro_train_batch_size: int = opt(1, "samples per forward/backward pass on one rank")
+    train_batch_size: int = opt(128, "samples per optimizer step over all ranks; must be a multiple of "
+                                "micro_train_batch_size x ranks (the quotient is the gradient accumulation)")
+    lr_scheduler: str = opt("constant_with_warmup", "learning-rate schedule after the linear warm-up: "
+                            "constant, or cosine decay to min_lr_ratio x the peak over max_steps",
+                            choices=list(LR_SCHEDULERS))
+    lr_warmup_ratio: float = opt(0.03, "fraction of max_steps spent warming up linearly from 0 (0 when "
+                                 "max_steps is 0)")
+    min_lr_ratio: float = opt(0.1, "cosine_with_min_lr: final learning rate as a fraction of the peak")
+    max_steps: int = opt(0, "optimizer steps of the whole run, for the schedule (the coordinator computes it); "
+                         "required by cosine_with_min_lr; 0 = unknown")
+    adam_betas: list[float] = opt([0.9, 0.95], "Adam beta1 beta2")
+    l2: float = opt(0.0, "AdamW weight decay (not applied to biases and norm weights)")
+    attn_implementation: str = opt("sdpa", "attention kernel of the transformers model",
+                                   choices=list(ATTN_IMPLEMENTATIONS))
+    packing_samples: bool = opt(False, "training: concatenate each micro-batch's samples into one row without "
+                                "padding (attention kept within each sample)")
+    seed: int = opt(42, "seed of model initialisation where weights are new (e.g. the critic's value head)")
+
+    def validate_deepspeed(self, world_size: int | None = None) -> None:
+        if self.micro_train_batch_size < 1:
+            raise ConfigError(f"--micro_train_batch_size {self.micro_train_batch_size} must be >= 1")
+        if self.train_batch_size < 1:
+            raise ConfigError(f"--train_batch_size {self.train_batch_size} must be >= 1")
+        if world_size is not None and self.train_batch_size % (self.micro_train_batch_size * world_size):
+            raise ConfigError(
+                f"--train_batch_size {self.train_batch_size} is not a multiple of --micro_train_batch_size "
+                f"{self.micro_train_batch_size} x {world_size} ranks; pick a train_batch_size divisible by "
+                f"{self.micro_train_batch_size * world_size}")
+        if self.adam_offload and self.zero_stage == 0:
+            raise ConfigError("--adam_offload needs --zero_stage 1, 2 or 3")
+        if self.max_norm < 0:
+            raise ConfigError(f"--max_norm {self.max_norm} must be >= 0 (0 disables clipping)")
+        if not 0 <= self.lr_warmup_ratio < 1:
+            raise ConfigError(f"--lr_warmup_ratio {self.lr_warmup_ratio} must be in [0, 1)")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"--min_lr_ratio {self.min_lr_ratio} must be in [0, 1]")
+        if self.lr_scheduler == "cosine_with_min_lr" and self.max_steps < 1:
+            raise ConfigError("--lr_scheduler cosine_with_min_lr needs --max_steps (optimizer steps of the run), "
+                              "or use --lr_scheduler constant_with_warmup")
+        if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
+            raise ConfigError(f"--adam_betas {self.adam_betas} must be two numbers in [0, 1)")
+        if self.attn_implementation == "flash_attention_2" and not torch.cuda.is_available():
+            raise ConfigError("--attn_implementation flash_attention_2 needs a CUDA GPU; use sdpa")
+
+    def gradient_accumulation_steps(self, world_size: int) -> int:
+        return self.train_batch_size // (self.micro_train_batch_size * world_size)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float32
+
+    @property
+    def warmup_steps(self) -> int:
+        return math.ceil(self.lr_warmup_ratio * self.max_steps)
+
+
+# ----------------------------------------------------------------------------------------------
+# Learning-rate schedule
+
+
+def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:
+    """Factor of the peak learning rate at optimizer step `step` (0-based).
+
+    Linear warm-up over warmup_steps (step 0 gets 1 / warmup_steps, the last warm-up step 1), then
+    constant, or a cosine from 1 down to min_lr_ratio at total_steps (held there afterwards).
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant_with_warmup":
+        return 1.0
+    if schedule == "cosine_with_min_lr":
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"schedule must be one of {LR_SCHEDULERS}, got {schedule!r}")
+
+
+class LRSchedule:
+    """lr_multiplier with its settings bound; a picklable callable for torch's LambdaLR."""
+
+    def __init__(self, options: DeepSpeedOptions):
+        self.warmup_steps = options.warmup_steps
+        self.total_steps = options.max_steps
+        self.schedule = options.lr_scheduler
+        self.min_lr_ratio = options.min_lr_ratio
+
+    def __call__(self, step: int) -> float:
+        return lr_multiplier(step, self.warmup_steps, self.total_steps, self.schedule, self.min_lr_ratio)
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSpeed config
+
+
+def deepspeed_config(options: DeepSpeedOptions, world_size: int) -> dict:
+    """The DeepSpeed config dict for training with `options` on `world_size` data-parallel ranks."""
+    options.validate_deepspeed(world_size)
+    zero: dict = {
+        "stage": options.zero_stage,
+        "overlap_comm": torch.cuda.is_available(),
+        "contiguous_gradients": True,
+        "reduce_bucket_size": 5e8,
+        "allgather_bucket_size": 5e8,
+        # ZeRO-3: small parameters (norms, biases) stay whole on every rank; gathering them one
+        # by one would cost more than it saves.
+        "stage3_param_persistence_threshold": 1e5,
+        "stage3_max_live_parameters": 1e9,
+        "stage3_prefetch_bucket_size": 5e8,
+    }
+    if options.adam_offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    return {
+        "train_batch_size": options.train_batch_size,
+        "train_micro_batch_size_per_gpu": options.micro_train_batch_size,
+        "gradient_accumulation_steps": options.gradient_accumulation_steps(world_size),
+        "gradient_clipping": options.max_norm,
+        "zero_optimization": zero,
+        # A step whose gradient norm is not finite is skipped (and counted in skipped_steps).
+        "bf16": {"enabled": options.bf16, "check_grad_overflow": True},
+        "data_types": {"grad_accum_dtype": "fp32"},
+        "zero_allow_untested_optimizer": True,
+        # The client's torch optimizer is used as is, also with offload (DeepSpeedCPUAdam then).
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Models
+
+
+def load_pretrained(path: str, options: DeepSpeedOptions, ds_config: dict, kind: ModelKind = "causal_lm"):
+    """Loads a Hugging Face model for training; returns (model, keepalive).
+
+    kind "causal_lm": AutoModelForCausalLM. kind "critic": the same backbone with a scalar value
+    per token (AutoModelForTokenClassification, one label, no dropout, no bias); its head `score`
+    is taken from the checkpoint when it has one (a reward model saved as sequence
+    classification), otherwise initialised from options.seed.
+    Under ZeRO-3 the weights are loaded straight into their partitions: `keepalive` (the
+    transformers view of the DeepSpeed config) must stay referenced until the engine is built.
+    """
+    import transformers
+
+    keepalive = None
+    if options.zero_stage == 3:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        keepalive = HfDeepSpeedConfig(ds_config)
+    common = {"dtype": options.dtype, "attn_implementation": options.attn_implementation}
+    if kind == "causal_lm":
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, **common)
+    elif kind == "critic":
+        config = transformers.AutoConfig.from_pretrained(path, num_labels=1)
+        config.classifier_dropout = 0.0
+        config.token_classification_bias = False
+        torch.manual_seed(options.seed)
+        model = transformers.AutoModelForTokenClassification.from_pretrained(path, config=config, **common)
+    else:
+        raise ValueError(f"kind must be 'causal_lm' or 'critic', got {kind!r}")
+    model.config.use_cache = False
+    if options.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model, keepalive
+
+
+def optimizer_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only: biases and norm weights (1-D) are not decayed."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class FiniteStepAdamW(torch.optim.AdamW):
+    """AdamW that skips a step whose gradients are not all finite, and says so in `overflow`.
+
+    DeepSpeed's ZeRO and bf16 optimizers already skip such steps; the plain fp32 ZeRO-0 path does
+    not, so this covers it (DeepSpeed reads `overflow` to count skipped steps and hold the LR
+    schedule). At ZeRO-0 every rank holds the same all-reduced gradients, so all ranks agree.
+    """
+
+    overflow = False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        self.overflow = bool(grads) and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+        if self.overflow:
+            return None
+        return super().step(closure)
+
+
+def make_optimizer(model: torch.nn.Module, options: DeepSpeedOptions, learning_rate: float):
+    """AdamW: DeepSpeedCPUAdam with offload, torch's fused kernel on CUDA, torch's own on CPU."""
+    groups = optimizer_param_groups(model, options.l2)
+    betas = tuple(options.adam_betas)
+    if options.adam_offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=learning_rate, betas=betas, adamw_mode=True)
+    cls = FiniteStepAdamW if (options.zero_stage == 0 and not options.bf16) else torch.optim.AdamW
+    return cls(groups, lr=learning_rate, betas=betas, fused=torch.cuda.is_available())
+
+
+def build_engine(model: torch.nn.Module, options: DeepSpeedOptions, ds_config: dict, learning_rate: float):
+    """deepspeed.initialize with AdamW and the LR schedule; returns the DeepSpeedEngine."""
+    optimizer = make_optimizer(model, options, learning_rate)
+    schedule = LRSchedule(options)
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=ds_config,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+    return engine
+
+
+def trainable_parameters(engine) -> int:
+    """Trainable parameter count of the full (unsharded) model."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters() if p.requires_grad)
+
+
+def current_lr(engine) -> float:
+    return float(engine.get_lr()[0])
+
+
+def init_distributed_from_env(timeout_s: float = 1800.0) -> tuple[int, int]:
+    """For scripts started by `deepspeed` / `torchrun`: joins the group from RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT; returns (rank, world_size). nccl on CUDA, gloo otherwise."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()

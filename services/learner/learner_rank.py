@@ -1,0 +1,398 @@
+"""What every rank of the learner does: the DeepSpeed actor and critic and the commands run on them.
+
+Rank 0's gRPC servicer (server.py) decodes and checks each request, splits the work and sends each
+rank its share through the RankGroupDriver; every rank, rank 0 included, runs the same command
+here on its share. Commands meet in the same collectives in the same order on every rank, which
+is why even a rank with no samples runs its forward passes under ZeRO-3 (parameters are gathered
+collectively, layer by layer).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pathlib
+import shutil
+import socket
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from services.common import rl_math
+from services.common.errors import failed_precondition
+from services.common.log import get_logger, log_event
+from services.common.logprobs import position_ids_from_mask, sequence_logprobs, token_logprobs
+from services.learner import checkpoint, chunked_logprobs
+from services.learner.batches import MicroBatch, Sample, StepPlan, collate, ragged_rows
+from services.learner.config import LearnerConfig
+from services.learner.deepspeed_setup import (
+    build_engine,
+    current_lr,
+    deepspeed_config,
+    load_pretrained,
+    trainable_parameters,
+)
+from services.learner.spmd import RankSpec, join_process_group
+from services.learner.weight_push import Chunk, WeightSender
+
+log = get_logger("learner")
+
+# A two-token stand-in for ranks with no samples left in a forward pass (ZeRO-3 needs them there).
+_FILLER = Sample(torch.tensor([0, 0]), 1, {})
+
+
+def forward_micro_batch(model, mb: MicroBatch):
+    """The model's output on a MicroBatch. Padded: positions from the mask. Packed: the given
+    positions and no mask, from which transformers keeps attention within each sample (it does so
+    only without a KV cache, hence use_cache=False)."""
+    if mb.attention_mask is not None:
+        return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                     position_ids=position_ids_from_mask(mb.attention_mask), use_cache=False)
+    return model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
+
+
+class LearnerRank:
+    def __init__(self, config: LearnerConfig, spec: RankSpec):
+        self.config = config
+        self.spec = spec
+        self.device = torch.device("cuda", spec.local_rank) if spec.backend == "nccl" else torch.device("cpu")
+        self.actor = None
+        self.critic = None
+        self.vocab_size = 0
+        self.max_len = 0
+        self.pad_id = 0
+        self.offloaded = False
+        self.weight_version = 0
+        self.sender = WeightSender(spec.rank, self.device)
+        self._keepalive = []
+
+    # ------------------------------------------------------------------------------------------
+    # Set-up
+
+    def setup(self) -> tuple[object, Callable]:
+        """Joins the process group and builds the engines (collective). Returns (control group, execute)."""
+        started = time.monotonic()
+        group = join_process_group(self.spec, self._store(), self.config.dist_timeout_s)
+        cfg = self.config
+        ds_config = deepspeed_config(cfg, self.spec.world_size)
+        model, keep = load_pretrained(cfg.pretrain, cfg, ds_config, "causal_lm")
+        self._keepalive.append(keep)
+        self.vocab_size = model.config.vocab_size
+        self.max_len = cfg.max_len or int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        self.actor = build_engine(model, cfg, ds_config, cfg.actor_learning_rate)
+        if cfg.critic_pretrain:
+            critic, keep = load_pretrained(cfg.critic_pretrain, cfg, ds_config, "critic")
+            self._keepalive.append(keep)
+            if critic.config.vocab_size < self.vocab_size:
+                raise ValueError(f"--critic_pretrain vocabulary ({critic.config.vocab_size}) is smaller than the "
+                                 f"actor's ({self.vocab_size}); use a critic with the actor's tokenizer")
+            self.critic = build_engine(critic, cfg, ds_config, cfg.critic_learning_rate)
+        log_event(log, "rank.ready", rank=self.spec.rank, world_size=self.spec.world_size,
+                  zero_stage=cfg.zero_stage, critic=bool(self.critic), seconds=round(time.monotonic() - started, 1))
+        return group, self.execute
+
+    def _store(self):
+        # A connection of its own to rank 0's store server (which the driver started).
+        return dist.TCPStore(self.spec.master_addr, self.spec.master_port, self.spec.world_size, is_master=False,
+                             timeout=datetime.timedelta(seconds=self.config.startup_timeout_s))
+
+    def info(self) -> dict:
+        return {
+            "actor_global_step": int(self.actor.global_steps),
+            "critic_global_step": int(self.critic.global_steps) if self.critic else 0,
+            "actor_num_parameters": trainable_parameters(self.actor),
+            "critic_num_parameters": trainable_parameters(self.critic) if self.critic else 0,
+            "vocab_size": self.vocab_size,
+            "max_len": self.max_len,
+            "weight_version": self.weight_version,
+            "offloaded": self.offloaded,
+            "rank0_host": socket.gethostname(),
+        }
+
+    def execute(self, name: str, payload):
+        handler = {
+            "info": lambda _: self.info(),
+            "logprobs": self.logprobs,
+            "values": self.values,
+            "train_actor": self.train_actor,
+            "train_critic": self.train_critic,
+            "init_weight_transfer": self.init_weight_transfer,
+            "push_chunk": self.push_chunk,
+            "push_done": self.push_done,
+            "save_checkpoint": self.save_checkpoint,
+            "load_checkpoint": self.load_checkpoint,
+            "export_hf": self.export_hf,
+            "offload": self.offload,
+            "reload": self.reload,
+        }.get(name)
+        if handler is None:
+            raise ValueError(f"unknown command {name!r}")
+        if self.offloaded and name not in ("info", "offload", "reload", "init_weight_transfer"):
+            raise failed_precondition(f"the learner is offloaded (Offload was called); call Reload before {name}")
+        return handler(payload)
+
+    # ------------------------------------------------------------------------------------------
+    # Forward passes
+
+    def _forward_passes(self, samples: list[Sample], passes: int):
+        """Yields (chunk, is_filler) for `passes` micro-batches of this rank's samples."""
+        size = self.config.micro_forward_batch_size
+        for p in range(passes):
+            chunk = samples[p * size:(p + 1) * size]
+            yield (chunk, False) if chunk else ([_FILLER], True)
+
+    @torch.no_grad()
+    def logprobs(self, payload: dict) -> list[torch.Tensor]:
+        """Per sample: (response_len,) float32 log-probs under the actor (sequence_logprobs)."""
+        self.actor.eval()
+        out: list[torch.Tensor] = []
+        for chunk, filler in self._forward_passes(payload["samples"], payload["passes"]):
+            mb = collate(chunk, pad_id=self.pad_id).to(self.device)
+            lp = sequence_logprobs(self.actor, mb.input_ids, mb.attention_mask, payload["temperature"])
+            if not filler:
+                out += ragged_rows(lp.reshape(-1)[mb.out_index].cpu(), chunk)
+        return out
+
+    @torch.no_grad()
+    def values(self, payload: dict) -> list[torch.Tensor]:
+        """Per sample: (response_len,) float32 critic values (value of the state before each token)."""
+        self.critic.eval()
+        out: list[torch.Tensor] = []
+        for chunk, filler in self._forward_passes(payload["samples"], payload["passes"]):
+            mb = collate(chunk, pad_id=self.pad_id).to(self.device)
+            values = self._critic_values(mb)
+            if not filler:
+                out += ragged_rows(values.cpu(), chunk)
+        return out
+
+    def _critic_values(self, mb: MicroBatch) -> torch.Tensor:
+        """(B, R) float32 values at the response positions."""
+        logits = forward_micro_batch(self.critic, mb).logits  # (rows, T, 1)
+        return logits[:, :-1, 0].reshape(-1)[mb.out_index].float()
+
+    def _actor_outputs(self, mb: MicroBatch, temperature: float, want_entropy: bool):
+        """(B, R) log-probs of the response tokens, and their entropies when asked (else None)."""
+        if self.config.logprobs_chunk_tokens > 0:
+            return chunked_logprobs.response_outputs(self.actor.module, mb, temperature,
+                                                     self.config.logprobs_chunk_tokens, want_entropy)
+        logits = forward_micro_batch(self.actor, mb).logits  # (rows, T, V)
+        vocab = logits.shape[-1]
+        # Only the response positions go through the log-softmax: prompts can be long.
+        response_logits = logits[:, :-1].reshape(-1, vocab)[mb.out_index]  # (B, R, V)
+        labels = mb.input_ids[:, 1:].reshape(-1)[mb.out_index]  # (B, R)
+        logp = token_logprobs(response_logits, labels, temperature)
+        entropy = rl_math.entropy_from_logits(response_logits, temperature) if want_entropy else None
+        return logp, entropy
+
+    # ------------------------------------------------------------------------------------------
+    # Training
+
+    def _train(self, engine, steps: list[StepPlan], micro_loss: Callable) -> dict:
+        """Runs the optimizer steps of this rank's plan; micro_loss(mb, normalizer) -> (loss, stats).
+
+        The loss of a micro-batch is its share of the global mini-batch loss (the normalizer counts
+        tokens or sequences over all micro-batches and ranks); DeepSpeed divides by the gradient
+        accumulation steps and averages over ranks, so the loss is scaled back up by both.
+        """
+        engine.train()
+        world = self.spec.world_size
+        timing = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        results = []
+        for step in steps:
+            gas = len(step.micro_batches)
+            skipped_before = engine.skipped_steps
+            lr = current_lr(engine)  # the rate this step applies (the scheduler moves after it)
+            sums: dict[str, float] = {}
+            for micro in step.micro_batches:
+                t0 = time.perf_counter()
+                mb = collate(micro, packed=self.config.packing_samples, pad_id=self.pad_id).to(self.device)
+                loss, stats = micro_loss(mb, step)
+                t1 = time.perf_counter()
+                engine.backward(loss * (gas * world))
+                t2 = time.perf_counter()
+                engine.step()
+                t3 = time.perf_counter()
+                timing["forward"] += t1 - t0
+                timing["backward"] += t2 - t1
+                timing["optimizer"] += t3 - t2
+                for key, value in stats.items():
+                    sums[key] = sums.get(key, 0.0) + value
+            norm = engine.get_global_grad_norm()
+            skipped = engine.skipped_steps > skipped_before
+            results.append({"sums": sums, "skipped": skipped, "lr": lr,
+                            "grad_norm": float(norm) if norm is not None else float("nan")})
+            if skipped:
+                log_event(log, "train.step_skipped", rank=self.spec.rank, reason="non-finite loss or gradient",
+                          level=30)
+        return {"steps": results, "timing": timing, "global_step": int(engine.global_steps)}
+
+    def train_actor(self, payload: dict) -> dict:
+        loss_cfg = payload["loss"]
+        level = loss_cfg["level"]
+        temperature = loss_cfg["temperature"]
+        kl_coef, entropy_coef = loss_cfg["kl_coef"], loss_cfg["entropy_coef"]
+
+        def micro_loss(mb: MicroBatch, step: StepPlan):
+            normalizer = step.tokens if level == "token" else step.sequences
+            mask = mb.action_mask
+            logp, entropy = self._actor_outputs(mb, temperature, entropy_coef != 0)
+            out = rl_math.policy_loss(logp, mb.fields["old_logprobs"], mb.fields["advantages"], mask,
+                                      eps_low=loss_cfg["eps_low"], eps_high=loss_cfg["eps_high"],
+                                      dual_clip=loss_cfg["dual_clip"], ratio_type=loss_cfg["ratio_type"],
+                                      level=level, normalizer=normalizer)
+            loss = out.loss
+            tokens = float(mask.sum())
+            stats = {"policy_loss": float(out.loss), "clip_ratio": float(out.clip_ratio) * tokens,
+                     "ppo_kl": float(out.ppo_kl) * tokens, "tokens": tokens}
+            if kl_coef > 0:
+                kl = rl_math.kl_loss(logp, mb.fields["ref_logprobs"], mask, loss_cfg["kl_estimator"], level,
+                                     normalizer)
+                loss = loss + kl_coef * kl
+                stats["kl_loss"] = float(kl)
+            if entropy_coef != 0:
+                ent = rl_math.aggregate_loss(entropy, mask, level, normalizer)
+                loss = loss - entropy_coef * ent
+                stats["entropy"] = float(ent)
+            return loss, stats
+
+        return self._train(self.actor, payload["steps"], micro_loss)
+
+    def train_critic(self, payload: dict) -> dict:
+        level, value_clip = payload["level"], payload["value_clip"]
+
+        def micro_loss(mb: MicroBatch, step: StepPlan):
+            normalizer = step.tokens if level == "token" else step.sequences
+            mask = mb.action_mask
+            values = self._critic_values(mb)
+            old_values = mb.fields.get("old_values", values.detach())
+            loss = rl_math.value_loss(values, old_values, mb.fields["returns"], mask, value_clip, level, normalizer)
+            tokens = float(mask.sum())
+            stats = {"value_loss": float(loss), "tokens": tokens,
+                     "values": float(rl_math.masked_sum(values.detach(), mask))}
+            if value_clip is not None:
+                moved = (values.detach() - old_values).abs() > value_clip
+                stats["value_clip_ratio"] = float(rl_math.masked_sum(moved.float(), mask))
+            return loss, stats
+
+        return self._train(self.critic, payload["steps"], micro_loss)
+
+    # ------------------------------------------------------------------------------------------
+    # Weight push
+
+    def init_weight_transfer(self, payload: dict) -> None:
+        self.sender.init(**payload)
+
+    def push_chunk(self, payload: dict) -> tuple[dict, list[bytes]]:
+        chunk: Chunk = payload["chunk"]
+        return self.sender.send_chunk(self.actor.module, self.config.zero_stage == 3, chunk)
+
+    def push_done(self, payload: dict) -> None:
+        self.sender.release()
+        if payload.get("version") is not None:
+            self.weight_version = int(payload["version"])
+
+    # ------------------------------------------------------------------------------------------
+    # Checkpoints and export
+
+    def _engines(self) -> dict:
+        return {"actor": self.actor, **({"critic": self.critic} if self.critic else {})}
+
+    def save_checkpoint(self, payload: dict) -> dict:
+        root = pathlib.Path(payload["ckpt_path"])
+        folder = checkpoint.step_dir(root, payload["global_step"])
+        if self.spec.rank == 0:
+            # A retried save of the same step: the old marker goes first, so the folder never looks
+            # complete while it is being rewritten.
+            (folder / checkpoint.MARKER).unlink(missing_ok=True)
+            folder.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        for name, engine in self._engines().items():
+            engine.save_checkpoint(str(folder), tag=name, save_latest=False)
+        if self.spec.rank == 0:
+            checkpoint.write_atomic(folder / checkpoint.CLIENT_STATE, payload["client_state"])
+        # Each rank fsyncs what is there (its own shards included) before rank 0 writes the marker.
+        checkpoint.fsync_tree(folder)
+        dist.barrier()
+        removed: list[str] = []
+        if self.spec.rank == 0:
+            marker = checkpoint.marker_contents(self.spec.world_size, self.config.zero_stage,
+                                                list(self._engines()), payload["global_step"])
+            checkpoint.write_atomic(folder / checkpoint.MARKER, marker)
+            removed = checkpoint.prune(root, payload["max_ckpt_num"], folder)
+        return {"path": str(folder), "removed": removed}
+
+    def load_checkpoint(self, payload: dict) -> dict:
+        folder = pathlib.Path(payload["path"])
+        for name, engine in self._engines().items():
+            load_path, _ = engine.load_checkpoint(
+                str(folder), tag=name, load_optimizer_states=payload["load_optimizer_states"],
+                load_lr_scheduler_states=payload["load_optimizer_states"], load_module_strict=True)
+            if load_path is None:
+                raise FileNotFoundError(f"{folder / name}: DeepSpeed found no checkpoint to load")
+        state = (folder / checkpoint.CLIENT_STATE).read_bytes() if (folder / checkpoint.CLIENT_STATE).exists() else b""
+        return {"client_state": state, "actor_global_step": int(self.actor.global_steps)}
+
+    def export_hf(self, payload: dict) -> dict:
+        """save_pretrained of the actor with --pretrain's tokenizer, into output_dir, atomically."""
+        engine = self.actor
+        if self.config.zero_stage == 3:
+            state = engine._zero3_consolidated_16bit_state_dict()  # collective; the dict on rank 0 only
+        else:
+            state = engine.module.state_dict() if self.spec.rank == 0 else None
+        if self.spec.rank != 0:
+            return {}
+        from transformers import AutoTokenizer
+
+        dtype = payload["dtype"] or self.config.dtype
+        out = pathlib.Path(payload["output_dir"])
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        state = {k: v.detach().to("cpu", dtype) for k, v in state.items()}
+        module = engine.module
+        saved_dtype = module.config.dtype
+        module.config.dtype = dtype
+        try:
+            module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        finally:
+            module.config.dtype = saved_dtype
+        AutoTokenizer.from_pretrained(self.config.pretrain).save_pretrained(tmp)
+        checkpoint.fsync_tree(tmp)
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+        checkpoint.fsync_path(out.parent)
+        shutil.rmtree(old, ignore_errors=True)
+        size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+        return {"path": str(out), "bytes": size}
+
+    # ------------------------------------------------------------------------------------------
+    # Colocation
+
+    def offload(self, _payload) -> bool:
+        if self.offloaded:
+            return False
+        moved = False
+        if self.device.type == "cuda":
+            if self.config.zero_stage == 0:
+                raise failed_precondition("Offload needs --zero_stage 1, 2 or 3 (DeepSpeed moves ZeRO states only)")
+            for engine in self._engines().values():
+                engine.offload_states()
+            torch.cuda.empty_cache()
+            moved = True
+        self.offloaded = True
+        return moved
+
+    def reload(self, _payload) -> bool:
+        if not self.offloaded:
+            return False
+        moved = False
+        if self.device.type == "cuda":
+            for engine in self._engines().values():
+                engine.reload_states()
+            moved = True
+        self.offloaded = False
+        return moved

@@ -1,0 +1,455 @@
+"""One learner = N torch.distributed ranks; rank 0 serves gRPC and drives the others.
+
+Every call is a command that runs on all ranks (each with its own share of the data), so the
+ranks meet in the same collectives in the same order. Rank 0 hosts the rendezvous TCPStore at
+master_addr:master_port; the process group rendezvouses on it, and so does the control plane:
+
+    rank 0 (driver)                                  rank k > 0 (serve_worker)
+    ---------------                                  -------------------------
+    send (name, payload_k) over the control group -> blocks in recv while idle
+    run its own share in the compute thread          run its share
+    poll the store for every rank's status      <-   store: status/{seq}/{k} = ok | error
+    on "ok": recv rank k's result               <-   send result over the control group
+
+The control group is a gloo group of its own (also on GPU), separate from the group DeepSpeed
+uses. Statuses go through the store so that rank 0 sees a failure on any rank as soon as it
+happens, even while other ranks sit in a collective waiting for the failed one: the call fails
+at once with that rank's error instead of waiting for a timeout. Such a failure can leave the
+ranks out of step (some inside a collective, some not), so unless every rank raised a deliberate
+ServiceError the group is declared broken: the learner stops serving and exits, and the
+coordinator restarts it and loads the last checkpoint. Every rank also bumps a heartbeat counter
+in the store; a rank whose counter stops moving is declared dead, and a worker whose store
+connection breaks (rank 0 gone) exits, so no rank outlives the service or hangs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import datetime
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+import grpc
+import torch
+import torch.distributed as dist
+
+from services.common.errors import ServiceError
+from services.common.log import get_logger, log_event
+
+log = get_logger("learner")
+
+HEARTBEAT_INTERVAL_S = 1.0
+SHUTDOWN = "shutdown"
+
+
+@dataclasses.dataclass(frozen=True)
+class RankSpec:
+    """Where this process sits in the learner's rank group."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    backend: str  # "nccl" or "gloo"
+    spawn_local: bool  # rank 0 starts ranks 1..world_size-1 itself, on this machine
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def resolve_rank_spec(rank: int, world_size: int, local_rank: int, master_addr: str, master_port: int,
+                      num_gpus: int) -> RankSpec:
+    """Flags win over the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+    MASTER_PORT, as torchrun, the deepspeed launcher or a Ray actor set them). With neither, this
+    process is rank 0 of num_gpus ranks and starts the others on this machine."""
+    env = os.environ
+    external = world_size > 0 or "WORLD_SIZE" in env
+    if world_size <= 0:
+        world_size = int(env.get("WORLD_SIZE", num_gpus))
+    if rank < 0:
+        rank = int(env.get("RANK", 0))
+    if local_rank < 0:
+        local_rank = int(env.get("LOCAL_RANK", rank))
+    master_addr = master_addr or env.get("MASTER_ADDR", "127.0.0.1")
+    if master_port <= 0:
+        master_port = int(env.get("MASTER_PORT", 0)) or (free_port(master_addr) if rank == 0 else 0)
+    if master_port <= 0:
+        raise ValueError(f"rank {rank}: no --master_port and no MASTER_PORT in the environment; "
+                         "give every rank the port rank 0 listens on")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"--rank {rank} is outside --world_size {world_size}")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    return RankSpec(rank, world_size, local_rank, master_addr, master_port, backend,
+                    spawn_local=(not external and world_size > 1))
+
+
+def spawn_local_ranks(spec: RankSpec, argv: list[str]) -> list[subprocess.Popen]:
+    """Starts ranks 1..world_size-1 as `python -m services.learner <argv>` with the rank in env."""
+    procs = []
+    for rank in range(1, spec.world_size):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(spec.world_size), LOCAL_RANK=str(rank),
+                   MASTER_ADDR=spec.master_addr, MASTER_PORT=str(spec.master_port))
+        procs.append(subprocess.Popen([sys.executable, "-m", "services.learner", *argv], env=env))
+    return procs
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors crossing ranks
+
+
+@dataclasses.dataclass
+class RankFailure:
+    """An exception raised on one rank, in a form that pickles."""
+
+    rank: int
+    type_name: str
+    message: str
+    traceback: str
+    code: str = ""  # grpc.StatusCode name for a ServiceError, else ""
+
+    @classmethod
+    def from_exception(cls, rank: int, exc: BaseException) -> "RankFailure":
+        code = exc.code.name if isinstance(exc, ServiceError) else ""
+        message = exc.message if isinstance(exc, ServiceError) else str(exc)
+        return cls(rank, type(exc).__name__, message, traceback.format_exc(), code)
+
+
+class GroupError(Exception):
+    """A command failed on some rank. `fatal`: the ranks may be out of step; the learner must stop."""
+
+    def __init__(self, failure: RankFailure, fatal: bool):
+        self.failure = failure
+        self.fatal = fatal
+        where = f"rank {failure.rank}" if failure.rank >= 0 else "learner ranks"
+        super().__init__(f"{where}: {failure.type_name}: {failure.message}")
+
+    def to_service_error(self) -> ServiceError:
+        if not self.fatal and self.failure.code:
+            return ServiceError(grpc.StatusCode[self.failure.code], self.failure.message)
+        suffix = ("; the learner's ranks may be out of step, so the learner is shutting down: restart it "
+                  "and LoadCheckpoint" if self.fatal else "")
+        return ServiceError(grpc.StatusCode.INTERNAL, f"{self}{suffix}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Wire helpers (control group)
+
+
+def _send_bytes(data: bytes, dst: int, group, tag: int) -> None:
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    dist.send(size, dst, group=group, tag=tag)
+    if data:
+        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, group=group, tag=tag)
+
+
+def _recv_bytes(src: int, group, tag: int) -> bytes:
+    size = torch.empty(1, dtype=torch.int64)
+    dist.recv(size, src, group=group, tag=tag)
+    buf = torch.empty(int(size.item()), dtype=torch.uint8)
+    if buf.numel():
+        dist.recv(buf, src, group=group, tag=tag)
+    return buf.numpy().tobytes()
+
+
+def connect_store(spec: RankSpec, timeout_s: float) -> dist.TCPStore:
+    """Rank 0 starts the store server; the others connect (retrying until timeout_s)."""
+    return dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=(spec.rank == 0),
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def join_process_group(spec: RankSpec, store: dist.TCPStore, timeout_s: float):
+    """init_process_group on the shared store (collectives time out after timeout_s), DeepSpeed's comm
+    layer on top, and the gloo control group. Returns the control group. Collective: all ranks."""
+    if spec.backend == "nccl":
+        torch.cuda.set_device(spec.local_rank)
+    # DeepSpeed reads the launcher's variables; set them whichever way the ranks were started.
+    os.environ.update(RANK=str(spec.rank), LOCAL_RANK=str(spec.local_rank), WORLD_SIZE=str(spec.world_size),
+                      MASTER_ADDR=spec.master_addr, MASTER_PORT=str(spec.master_port))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(spec.backend, store=dist.PrefixStore("pg", store), rank=spec.rank,
+                            world_size=spec.world_size, timeout=timeout)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=spec.backend, timeout=timeout)
+    # Long timeout: a worker waits in recv on this group between calls, for as long as the service
+    # is idle. A dead peer still surfaces at once (the connection closes).
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
+
+
+def _heartbeat(spec: RankSpec, stop: threading.Event, exit_on_loss: bool) -> None:
+    """Bumps hb/{rank} every second on a connection of its own; exits the process when the store
+    (rank 0) is gone, even while the main thread is stuck in a collective."""
+    try:
+        store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=30))
+        while not stop.is_set():
+            store.add(f"hb/{spec.rank}", 1)
+            stop.wait(HEARTBEAT_INTERVAL_S)
+    except Exception as exc:  # noqa: BLE001 - any store failure means rank 0 is gone
+        if exit_on_loss and not stop.is_set():
+            log_event(log, "rank.orphaned", rank=spec.rank, error=str(exc)[:200], level=40)
+            os._exit(3)
+
+
+def start_heartbeat(spec: RankSpec) -> threading.Event:
+    stop = threading.Event()
+    threading.Thread(target=_heartbeat, args=(spec, stop, spec.rank != 0), daemon=True,
+                     name=f"heartbeat-{spec.rank}").start()
+    return stop
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker ranks
+
+
+def serve_worker(spec: RankSpec, store: dist.TCPStore, setup: Callable[[], tuple[object, Callable]]) -> None:
+    """The loop of ranks 1..N-1: receive a command, run it, report; until "shutdown".
+
+    setup() runs on the first command ("setup"): it joins the process group and builds the
+    models, and returns (control group, execute(name, payload) -> result).
+    """
+    start_heartbeat(spec)
+    group = None
+    execute: Callable | None = None
+    seq = 0
+    while True:
+        seq += 1
+        if seq == 1:
+            name, payload = _wait_setup(store, spec)
+        else:
+            name, payload = pickle.loads(_recv_bytes(0, group, tag=seq))
+        if name == SHUTDOWN:
+            store.set(f"status/{seq}/{spec.rank}", pickle.dumps(("ok", 0)))
+            return
+        try:
+            if seq == 1:
+                group, execute = setup()
+                result = None
+            else:
+                result = execute(name, payload)
+            data = pickle.dumps(result)
+            store.set(f"status/{seq}/{spec.rank}", pickle.dumps(("ok", len(data))))
+            if seq > 1:  # rank 0 collects setup's statuses only
+                _send_bytes(data, 0, group, tag=seq)
+        except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the call
+            failure = RankFailure.from_exception(spec.rank, exc)
+            log_event(log, "rank.command_failed", rank=spec.rank, command=name, error=failure.message[:300],
+                      level=40)
+            store.set(f"status/{seq}/{spec.rank}", pickle.dumps(("error", failure)))
+            if group is None:  # setup failed: there is no process group to continue with
+                return
+
+
+def _wait_setup(store: dist.TCPStore, spec: RankSpec) -> tuple[str, object]:
+    """The setup command comes through the store (the control group does not exist yet)."""
+    key = f"setup/{spec.rank}"
+    while not store.check([key]):
+        time.sleep(0.05)
+    return pickle.loads(store.get(key))
+
+
+# ----------------------------------------------------------------------------------------------
+# Rank 0
+
+
+class RankGroupDriver:
+    """Runs commands on every rank from rank 0 (see the module docstring)."""
+
+    def __init__(self, spec: RankSpec, store: dist.TCPStore, procs: list[subprocess.Popen],
+                 startup_timeout_s: float, heartbeat_timeout_s: float):
+        self.spec = spec
+        self.store = store
+        self.procs = procs
+        self.startup_timeout_s = startup_timeout_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        # One persistent thread runs rank 0's share of every command (CUDA's current device is per
+        # thread); another moves control-plane bytes so the event loop never blocks.
+        self.compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rank0-compute")
+        self.io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rank0-control")
+        self.group = None
+        self.execute: Callable | None = None
+        self.seq = 0
+        self.broken: GroupError | None = None
+        self._lock = asyncio.Lock()
+        self._heartbeats: dict[int, tuple[int, float]] = {}
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size
+
+    async def setup(self, setup: Callable[[], tuple[object, Callable]]) -> None:
+        """Runs setup() on every rank (joins the process group, builds the models)."""
+
+        def run_own():
+            self.group, self.execute = setup()
+
+        async with self._lock:
+            self.seq = 1
+            for rank in range(1, self.world_size):
+                self.store.set(f"setup/{rank}", pickle.dumps(("setup", None)))
+            loop = asyncio.get_running_loop()
+            own = loop.run_in_executor(self.compute, _capture(run_own, 0))
+            await self._collect(1, own, "setup", startup=True)
+
+    async def run(self, name: str, payloads: list, timeout_s: float | None = None) -> list:
+        """Runs command `name` on every rank, rank r with payloads[r]; returns every rank's result.
+
+        Raises GroupError (fatal or not) when a rank fails; commands run one at a time.
+        """
+        if len(payloads) != self.world_size:
+            raise ValueError(f"{name}: {len(payloads)} payloads for {self.world_size} ranks")
+        async with self._lock:
+            if self.broken is not None:
+                raise self.broken
+            self.seq += 1
+            seq = self.seq
+            loop = asyncio.get_running_loop()
+            try:
+                await loop.run_in_executor(self.io, self._send_commands, seq, name, payloads)
+            except Exception as exc:  # noqa: BLE001 - a rank that cannot be reached is lost
+                raise self._fail(RankFailure(-1, type(exc).__name__, f"sending {name} to the ranks failed: {exc}",
+                                             ""), fatal=True) from exc
+            own = loop.run_in_executor(self.compute, _capture(lambda: self.execute(name, payloads[0]), 0))
+            return await self._collect(seq, own, name, timeout_s=timeout_s)
+
+    def _send_commands(self, seq: int, name: str, payloads: list) -> None:
+        for rank in range(1, self.world_size):
+            _send_bytes(pickle.dumps((name, payloads[rank])), rank, self.group, tag=seq)
+
+    async def _collect(self, seq: int, own: asyncio.Future, name: str, startup: bool = False,
+                       timeout_s: float | None = None) -> list:
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        statuses: dict[int, tuple] = {}
+        pending = set(range(1, self.world_size))
+        own_result = None
+        delay = 0.001
+        while pending or not own.done():
+            for rank in sorted(pending):
+                key = f"status/{seq}/{rank}"
+                if self.store.check([key]):
+                    statuses[rank] = pickle.loads(self.store.get(key))
+                    self.store.delete_key(key)
+                    pending.discard(rank)
+            failures = [s[1] for s in statuses.values() if s[0] == "error"]
+            if own.done():
+                own_status = own.result()
+                if own_status[0] == "error":
+                    failures.append(own_status[1])
+            unexpected = [f for f in failures if not f.code]
+            if unexpected and (pending or not own.done()):
+                # A rank failed while others are still running (maybe waiting for it in a
+                # collective): answer now; the group cannot be trusted any more. A deliberate
+                # ServiceError is raised before a command's first collective, so for those the
+                # other ranks are awaited: they finish, or hit the same check.
+                raise self._fail(min(unexpected, key=lambda f: f.rank), fatal=True)
+            dead = self._dead_rank(pending, startup, started)
+            if dead is not None:
+                raise self._fail(dead, fatal=True)
+            if timeout_s is not None and time.monotonic() - started > timeout_s:
+                raise self._fail(RankFailure(-1, "TimeoutError", f"{name} did not finish on every rank within "
+                                             f"{timeout_s:.0f} s", ""), fatal=True)
+            if pending or not own.done():
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.02)
+        own_status = own.result()
+        failures = [s[1] for s in statuses.values() if s[0] == "error"]
+        if own_status[0] == "error":
+            failures.append(own_status[1])
+        if failures:
+            # A deliberate ServiceError raised on every rank leaves them in step (they all stopped
+            # at the same check); anything else may not.
+            uniform = len(failures) == self.world_size and all(f.code for f in failures)
+            raise self._fail(min(failures, key=lambda f: f.rank), fatal=not uniform or startup)
+        results = [own_status[1]]
+        if self.world_size > 1 and not startup:
+            sizes = {rank: statuses[rank][1] for rank in range(1, self.world_size)}
+            results += await loop.run_in_executor(self.io, self._recv_results, seq, sizes)
+        elif startup:
+            results += [None] * (self.world_size - 1)
+        return results
+
+    def _recv_results(self, seq: int, sizes: dict[int, int]) -> list:
+        return [pickle.loads(_recv_bytes(rank, self.group, tag=seq)) for rank in sorted(sizes)]
+
+    def _dead_rank(self, pending: set[int], startup: bool, started: float) -> RankFailure | None:
+        """A pending rank whose process exited or whose heartbeat stopped, if any."""
+        for index, proc in enumerate(self.procs):
+            code = proc.poll()
+            if code is not None:
+                return RankFailure(index + 1, "RankExited", f"the rank's process exited with code {code}", "")
+        now = time.monotonic()
+        for rank in pending:
+            count = self.store.add(f"hb/{rank}", 0)
+            last_count, last_change = self._heartbeats.get(rank, (0, started))
+            if count != last_count:
+                self._heartbeats[rank] = (count, now)
+                continue
+            limit = self.startup_timeout_s if (startup and count == 0) else self.heartbeat_timeout_s
+            if now - last_change > limit:
+                what = "did not start" if count == 0 else "stopped sending heartbeats"
+                return RankFailure(rank, "RankLost", f"the rank {what} within {limit:.0f} s", "")
+        return None
+
+    def _fail(self, failure: RankFailure, fatal: bool) -> GroupError:
+        error = GroupError(failure, fatal)
+        log_event(log, "ranks.command_failed", rank=failure.rank, fatal=fatal, error=failure.message[:300],
+                  level=40)
+        if failure.traceback:
+            log.error("rank %d traceback:\n%s", failure.rank, failure.traceback)
+        if fatal:
+            self.broken = error
+        return error
+
+    async def shutdown(self, timeout_s: float = 20.0) -> None:
+        """Stops the worker ranks (a shutdown command; then terminate / kill local ones)."""
+        if self.broken is None and self.group is not None and self.world_size > 1:
+            try:
+                async with self._lock:
+                    self.seq += 1
+                    await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
+                        self.io, self._send_commands, self.seq, SHUTDOWN, [None] * self.world_size), timeout_s)
+            except Exception as exc:  # noqa: BLE001 - fall through to terminating the processes
+                log_event(log, "ranks.shutdown_failed", error=str(exc)[:200], level=30)
+        stop_processes(self.procs, timeout_s)
+
+
+def stop_processes(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _capture(fn: Callable, rank: int) -> Callable[[], tuple]:
+    """fn -> a callable returning ("ok", result) or ("error", RankFailure): never raises."""
+
+    def run():
+        try:
+            return ("ok", fn())
+        except Exception as exc:  # noqa: BLE001
+            return ("error", RankFailure.from_exception(rank, exc))
+
+    return run

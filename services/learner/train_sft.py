@@ -1,0 +1,71 @@
+"""Supervised fine-tuning: the loss covers response tokens only (every assistant turn of a
+multi-turn conversation).
+
+    deepspeed --module services.learner.train_sft --pretrain DIR --dataset sft.jsonl \\
+        --input_key prompt --output_key response --apply_chat_template --save_path out/sft
+    rlmesh sft ...            (the same flags; plain `python -m services.learner.train_sft` is one rank)
+
+The output folder is a Hugging Face causal LM with its tokenizer: the rollout service's --pretrain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from services.common.config import opt, parse_config
+from services.common.datasets import load_sft
+from services.common.logprobs import sequence_logprobs
+from services.learner.deepspeed_setup import load_pretrained
+from services.learner.offline import OfflineConfig, OfflineTrainer, Ratios, pad_right, response_logprob_sums, sft_loss
+
+
+@dataclasses.dataclass
+class SFTConfig(OfflineConfig):
+    """Supervised fine-tuning of a causal LM on prompt/response pairs or conversations."""
+
+    input_key: str = opt("input", "field of the prompt (a string or a chat message list)")
+    output_key: str = opt("output", "field of the response (a string or the assistant's message list)")
+    multiturn: bool = opt(False, "rows are whole conversations in --input_key (message lists); the loss covers "
+                          "every assistant turn; needs --apply_chat_template")
+    learning_rate: float = opt(5e-6, "peak learning rate")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.multiturn:
+            self.apply_chat_template = True  # conversations can only be rendered by the chat template
+
+
+class SFTTrainer(OfflineTrainer):
+    name = "sft"
+
+    def load_rows(self, tokenizer, paths: str, probs: str) -> list:
+        c = self.config
+        return load_sft(paths, probs, tokenizer=tokenizer, input_key=c.input_key, output_key=c.output_key,
+                        multiturn=c.multiturn, apply_chat_template=c.apply_chat_template,
+                        input_template=c.input_template or None, max_len=c.max_len, max_samples=c.max_samples,
+                        seed=c.seed, strict=c.strict)
+
+    def load_model(self, ds_config: dict):
+        return load_pretrained(self.config.pretrain, self.config, ds_config, kind="causal_lm")
+
+    def micro_batch(self, engine, rows: list, train: bool) -> tuple:
+        ids, attention = pad_right([r.input_ids for r in rows], self.tokenizer.pad_token_id)
+        loss_mask, _ = pad_right([r.loss_mask for r in rows], 0)
+        ids, attention, loss_mask = ids.to(engine.device), attention.to(engine.device), loss_mask.to(engine.device)
+        logprobs = sequence_logprobs(engine, ids, attention)  # (B, T-1)
+        loss = sft_loss(logprobs, loss_mask)
+        sums, counts = response_logprob_sums(logprobs.detach(), loss_mask)
+        ratios: Ratios = {"loss": (-float(sums.sum()), float(counts.sum())),
+                          "response_tokens": (float(counts.sum()), float(len(rows)))}
+        return loss, ratios
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_config(SFTConfig, argv, description=SFTConfig.__doc__)
+    SFTTrainer(config).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""The learner's side of PushWeights (the protocol and the checksum live in services/common/weights.py).
+
+The actor's parameters are laid out in buckets (Hugging Face names, module order, cast to the
+engines' dtype) and the buckets are grouped in chunks, one UpdateWeights call per chunk. For each
+bucket every rank takes part (under ZeRO-3 the bucket's parameters are gathered, one bucket at a
+time, never the whole model), and then:
+  gloo / nccl: rank 0 packs the bucket and broadcasts it to the engines' workers;
+  ipc: every rank packs the bucket on its own GPU and shares a CUDA IPC handle of it, which the
+       engine worker on that GPU opens; the buffers stay alive until the chunk is acknowledged.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+
+import torch
+
+from services.common import weights
+from rlmesh.rollout.v1 import rollout_pb2
+
+
+@dataclasses.dataclass
+class Chunk:
+    """The buckets of one UpdateWeights call, numbered from 0 within the chunk."""
+
+    slots: list[weights.ParamSlot]
+    bucket_sizes: list[int]
+
+
+def full_shape(p: torch.nn.Parameter) -> tuple[int, ...]:
+    """A parameter's unsharded shape (ZeRO-3 keeps it in ds_shape)."""
+    return tuple(getattr(p, "ds_shape", p.shape))
+
+
+def plan_chunks(module: torch.nn.Module, wire_dtype: torch.dtype, bucket_bytes: int,
+                buckets_per_chunk: int) -> list[Chunk]:
+    """Buckets of every parameter in module order, grouped buckets_per_chunk at a time (0 = all)."""
+    params = [(name, wire_dtype, full_shape(p)) for name, p in module.named_parameters()]
+    slots, sizes = weights.plan_buckets(params, bucket_bytes)
+    per_chunk = buckets_per_chunk if buckets_per_chunk > 0 else len(sizes)
+    chunks = []
+    for first in range(0, len(sizes), per_chunk):
+        last = min(first + per_chunk, len(sizes))
+        members = [dataclasses.replace(s, bucket=s.bucket - first) for s in slots if first <= s.bucket < last]
+        chunks.append(Chunk(members, list(sizes[first:last])))
+    return chunks
+
+
+class WeightSender:
+    """One per rank: the weight group (rank 0, gloo/nccl) and the ipc buffers awaiting their ack."""
+
+    def __init__(self, rank: int, device: torch.device):
+        self.rank = rank
+        self.device = device
+        self.backend = ""
+        self.group = None
+        self._ipc_buffers: list[torch.Tensor] = []
+        # CUDA's current device is per thread: the sending thread gets this rank's.
+        init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+        self._sending = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weight-send", initializer=init)
+
+    def init(self, backend: str, master_address: str, master_port: int, world_size: int, group_name: str,
+             timeout_s: float) -> None:
+        """Rank 0 joins the group as its rank 0 (blocks until the engines joined); others note the backend."""
+        self.release()
+        self.group = None
+        if backend in ("gloo", "nccl") and self.rank == 0:
+            self.group = weights.open_weight_group(backend, master_address, master_port, world_size, 0,
+                                                   group_name, timeout_s)
+        self.backend = backend
+
+    def release(self) -> None:
+        """Drops the ipc buffers of the last chunk (after the engines acknowledged it)."""
+        self._ipc_buffers = []
+
+    def send_chunk(self, module: torch.nn.Module, zero3: bool, chunk: Chunk) -> tuple[dict, list[bytes]]:
+        """Sends one chunk's buckets. Collective over the learner's ranks under ZeRO-3.
+
+        Returns (name -> DigestEntry of what rank 0 sent, serialized IpcBucket messages of this rank).
+        gloo / nccl: bucket b is broadcast from a helper thread while this one digests it and then
+        gathers and packs bucket b + 1, so packing, hashing and sending overlap (two buffers live).
+        """
+        if not self.backend:
+            raise RuntimeError("no weight transfer set up: call InitWeightTransfer first")
+        self.release()
+        by_name = dict(module.named_parameters())
+        entries: dict[str, weights.DigestEntry] = {}
+        ipc: list[bytes] = []
+        in_flight: concurrent.futures.Future | None = None
+        try:
+            for bucket, members in enumerate(weights.bucket_members(chunk.slots, len(chunk.bucket_sizes))):
+                size = chunk.bucket_sizes[bucket]
+                with _gathered([by_name[s.name] for s in members], zero3):
+                    tensors = {s.name: by_name[s.name].data for s in members}
+                    if self.backend == "ipc":
+                        buffer = weights.pack_bucket(tensors, members, size, self.device)
+                        self._ipc_buffers.append(buffer)
+                        ipc.append(weights.share_bucket_ipc(buffer, bucket).SerializeToString())
+                    elif self.rank == 0:
+                        buffer = weights.pack_bucket(tensors, members, size, self.group.device)
+                if self.rank != 0:
+                    continue
+                if self.backend != "ipc":
+                    if in_flight is not None:
+                        in_flight.result()  # buckets go out in index order, one at a time
+                    in_flight = self._sending.submit(self.group.broadcast_from_learner, buffer)
+                digests = weights.bucket_digests(buffer, members)
+                entries.update({s.name: weights.DigestEntry(s.dtype, s.shape, digests[s.name]) for s in members})
+        finally:
+            if in_flight is not None:
+                in_flight.result()
+        return entries, ipc
+
+
+def _gathered(params: list[torch.nn.Parameter], zero3: bool):
+    if not zero3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+def update_request(version: int, chunk: Chunk, index: int, final: bool,
+                   ipc_buckets: list[bytes]) -> rollout_pb2.UpdateWeightsRequest:
+    buckets = [rollout_pb2.IpcBucket.FromString(b) for b in ipc_buckets]
+    return weights.update_weights_request(version, chunk.slots, chunk.bucket_sizes, chunk_index=index,
+                                          final=final, ipc_buckets=buckets)

@@ -1,0 +1,41 @@
+"""python -m services.reward: serve rewards (RewardService) and/or reference log-probs (ReferenceService).
+
+    python -m services.reward --reward_pretrain DIR
+    python -m services.reward --remote_rm_url http://host:5000/get_reward,http://host2:5000/get_reward
+    python -m services.reward --remote_rm_url my_reward.py
+    python -m services.reward --reward_func math --ref_pretrain DIR
+"""
+
+import sys
+
+from services.common.config import ConfigError, parse_config
+from services.common.server import run_service
+from services.reward.config import RewardConfig
+from services.reward.server import add_reference_service, add_reward_service, make_reward_source
+
+
+def main(argv=None) -> None:
+    config = parse_config(RewardConfig, argv, description=__doc__)
+    try:
+        # Models load before serving starts, so health reports SERVING only once they are usable.
+        source = make_reward_source(config)
+        reference = None
+        if config.ref_pretrain:
+            from services.reward.reference import ReferenceModel  # transformers: only when a model is served
+
+            reference = ReferenceModel(config.ref_pretrain, config.device, config.ref_dtype,
+                                       config.ref_micro_batch_size, config.attn_implementation)
+    except ConfigError as exc:
+        sys.exit(f"config error: {exc}")
+
+    async def build(runner) -> None:
+        if source is not None:
+            await add_reward_service(runner, source, config.reward_clip_range)
+        if reference is not None:
+            add_reference_service(runner, reference)
+
+    run_service("reward", config, build)
+
+
+if __name__ == "__main__":
+    main()

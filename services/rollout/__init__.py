@@ -1,0 +1,1 @@
+"""Rollout service: a vLLM (or transformers) generation engine behind gRPC."""

@@ -1,0 +1,17 @@
+"""python -m services.rollout --pretrain DIR [--engine vllm|hf] [--port 50051] [--metrics_port 9101] ..."""
+
+from services.common.config import parse_config
+from services.common.server import run_service
+from services.rollout.config import RolloutConfig
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_config(RolloutConfig, argv)
+    # Imported after parsing, so --help and config errors do not wait for torch/vLLM imports.
+    from services.rollout.server import build
+
+    run_service("rollout", config, lambda runner: build(runner, config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""vLLM's asynchronous engine (AsyncLLM) inside the rollout service process.
+
+AsyncLLM runs the scheduler and model in its own engine-core and worker processes and talks to
+them over ZMQ, so awaiting it never blocks the gRPC event loop, and every concurrent Generate call
+lands in the same continuous batch. Each sample is its own vLLM request (n=1, output only when
+finished), so a sample streams back the moment it finishes and can be aborted on its own; the n
+samples of a prompt still share the prompt's KV cache through prefix caching.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import vllm
+from vllm import SamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.platforms import current_platform
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from services.common.log import get_logger, log_event
+from services.common.weights import DigestEntry
+from services.rollout.config import RolloutConfig
+from services.rollout.engine import (
+    Engine,
+    ModelFacts,
+    SampleResult,
+    SampleSpec,
+    Sampling,
+    WeightChunk,
+    checkpoint_digests,
+    checkpoint_parameter_shapes,
+)
+from services.rollout.weight_receiver import chunk_to_wire
+
+WORKER_EXTENSION = "services.rollout.worker_extension.RolloutWorkerExtension"
+_FINISH_REASONS = {"stop": "stop", "length": "length"}  # anything else ("abort", "error") ends as abort
+
+log = get_logger("rollout")
+
+
+def engine_args(config: RolloutConfig) -> AsyncEngineArgs:
+    """AsyncEngineArgs from the service options (only those set, so vLLM's defaults stay its own)."""
+    kwargs = dict(
+        model=config.pretrain,
+        served_model_name=config.model_name,
+        tensor_parallel_size=config.tensor_parallel_size,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        max_num_seqs=config.max_num_seqs,
+        dtype=config.dtype,
+        enable_prefix_caching=config.enable_prefix_caching,
+        enforce_eager=config.enforce_eager,
+        seed=config.seed,
+        enable_sleep_mode=config.enable_sleep_mode,
+        logprobs_mode=config.logprobs_mode,
+        trust_remote_code=config.trust_remote_code,
+        worker_extension_cls=WORKER_EXTENSION,
+        # With stats on, vLLM's own Prometheus metrics (vllm:num_requests_running, ...) join ours on /metrics.
+        disable_log_stats=not config.vllm_log_stats,
+    )
+    if config.max_model_len:
+        kwargs["max_model_len"] = config.max_model_len
+    if config.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
+    if config.quantization:
+        kwargs["quantization"] = config.quantization
+    chunked = {"on": True, "off": False, "auto": False if current_platform.is_cpu() else None}[config.enable_chunked_prefill]
+    if chunked is not None:
+        kwargs["enable_chunked_prefill"] = chunked
+    return AsyncEngineArgs(**kwargs)
+
+
+def sampling_params(sampling: Sampling, spec: SampleSpec) -> SamplingParams:
+    kwargs = dict(
+        n=1,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        min_p=sampling.min_p,
+        max_tokens=sampling.max_tokens,
+        stop=list(sampling.stop) or None,
+        stop_token_ids=list(sampling.stop_token_ids) or None,
+        seed=spec.seed(sampling),
+        logprobs=0 if sampling.logprobs else None,
+        ignore_eos=sampling.ignore_eos,
+        # Stop strings are matched on text, so they need detokenizing too.
+        detokenize=sampling.return_text or bool(sampling.stop),
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+    if sampling.top_k > 0:
+        kwargs["top_k"] = sampling.top_k
+    return SamplingParams(**kwargs)
+
+
+class VllmEngine(Engine):
+    def __init__(self, config: RolloutConfig):
+        self.config = config
+        self.llm = AsyncLLM.from_engine_args(engine_args(config))
+        model_config = self.llm.model_config
+        self.facts = ModelFacts(
+            model_name=config.model_name,
+            max_model_len=int(model_config.max_model_len),
+            vocab_size=int(model_config.get_vocab_size()),
+            dtype=model_config.dtype,
+            engine_kind="vllm",
+            engine_version=f"vllm {vllm.__version__}",
+            tensor_parallel_size=config.tensor_parallel_size,
+            device=str(current_platform.device_type),
+            parameters=checkpoint_parameter_shapes(config.pretrain),
+        )
+        self._running = 0
+
+    async def initial_digests(self) -> dict[str, DigestEntry]:
+        return await asyncio.to_thread(checkpoint_digests, self.config.pretrain, self.facts.dtype)
+
+    def running_samples(self) -> int:
+        return self._running
+
+    async def generate(self, specs: Sequence[SampleSpec], sampling: Sampling) -> AsyncIterator[SampleResult]:
+        queue: asyncio.Queue[SampleResult | BaseException] = asyncio.Queue()
+        tasks = [asyncio.create_task(self._generate_one(spec, sampling, queue)) for spec in specs]
+        try:
+            for _ in range(len(tasks)):
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            unfinished = [t for t in tasks if not t.done()]
+            for task in unfinished:
+                task.cancel()  # AsyncLLM.generate aborts the request when its task is cancelled
+            if unfinished:
+                await asyncio.gather(*unfinished, return_exceptions=True)
+                log_event(log, "generate.aborted", samples=len(unfinished))
+
+    async def _generate_one(self, spec: SampleSpec, sampling: Sampling,
+                            queue: asyncio.Queue[SampleResult | BaseException]) -> None:
+        self._running += 1
+        try:
+            final = None
+            async for output in self.llm.generate({"prompt_token_ids": spec.prompt_ids},
+                                                  sampling_params(sampling, spec), spec.key):
+                final = output
+            completion = final.outputs[0]
+            token_ids = list(completion.token_ids)
+            logprobs = None
+            if sampling.logprobs:
+                # logprobs=0 returns, per position, a dict holding (at least) the sampled token.
+                logprobs = [float(pos[tok].logprob) for pos, tok in zip(completion.logprobs, token_ids)]
+            queue.put_nowait(SampleResult(
+                spec=spec, token_ids=token_ids, logprobs=logprobs,
+                finish_reason=_FINISH_REASONS.get(completion.finish_reason, "abort"),
+                text=completion.text if sampling.return_text else ""))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which reports it
+            queue.put_nowait(exc)
+        finally:
+            self._running -= 1
+
+    async def open_weight_group(self, backend: str, master_address: str, master_port: int, world_size: int,
+                                rank_offset: int, group_name: str, timeout_s: float) -> list[int]:
+        ranks = await self.llm.collective_rpc(
+            "rlmesh_open_weight_group",
+            args=(backend, master_address, master_port, world_size, rank_offset, group_name, timeout_s))
+        return [r for r in ranks if r >= 0]
+
+    async def receive_weights(self, chunk: WeightChunk) -> dict[str, DigestEntry]:
+        per_worker = await self.llm.collective_rpc("rlmesh_receive_weights", args=(chunk_to_wire(chunk),))
+        # Every tensor-parallel worker received the full tensors; they must agree byte for byte.
+        first = per_worker[0]
+        for rank, digests in enumerate(per_worker[1:], start=1):
+            if digests != first:
+                differing = sorted(n for n in set(first) | set(digests) if first.get(n) != digests.get(n))
+                raise RuntimeError(f"worker {rank} received different bytes than worker 0 for {differing[:5]}")
+        slots = {s.name: s for s in chunk.slots}
+        return {name: DigestEntry(slots[name].dtype, slots[name].shape, bytes.fromhex(d))
+                for name, d in first.items()}
+
+    async def reset_prefix_cache(self) -> None:
+        await self.llm.reset_prefix_cache()
+
+    def sleep_unsupported_reason(self) -> str:
+        if not current_platform.is_sleep_mode_available():
+            return (f"sleep mode is not supported on this platform ({current_platform.device_type}): vLLM can "
+                    "sleep only on CUDA or ROCm GPUs, so Sleep/WakeUp are unavailable here")
+        if not self.config.enable_sleep_mode:
+            return "the service was started without --enable_sleep_mode; restart it with that flag to use Sleep/WakeUp"
+        return ""
+
+    async def sleep(self, level: int) -> int:
+        before = await self.llm.collective_rpc("rlmesh_device_memory")
+        await self.llm.sleep(level=level)
+        after = await self.llm.collective_rpc("rlmesh_device_memory")
+        return sum(a[0] - b[0] for a, b in zip(after, before))
+
+    async def wake_up(self, tags: list[str]) -> bool:
+        await self.llm.wake_up(tags=tags or None)
+        return not await self.llm.is_sleeping()
+
+    async def shutdown(self) -> None:
+        self.llm.shutdown()

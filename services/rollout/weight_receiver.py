@@ -1,0 +1,112 @@
+"""The receiving end of a weight push, as it runs next to the model (a vLLM worker or the hf engine).
+
+It holds the push group (gloo/nccl) or the ipc choice made by InitWeightTransfer, receives the
+buckets of one UpdateWeights chunk, hands each bucket's (name, tensor) pairs to a load function,
+and returns the digests of exactly the bytes that arrived (services/common/weights.py).
+Chunks cross into vLLM's worker processes through collective_rpc, so they travel as plain
+lists and dicts (`chunk_to_wire` / `chunk_from_wire`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from rlmesh.rollout.v1 import rollout_pb2
+from services.common.weights import (
+    ParamSlot,
+    bucket_digests,
+    bucket_members,
+    device_uuid,
+    dtype_name,
+    open_bucket_ipc,
+    open_weight_group,
+    receive_buckets,
+    unpack_bucket,
+)
+from services.rollout.engine import WeightChunk
+
+LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
+
+
+def chunk_to_wire(chunk: WeightChunk) -> dict:
+    return {
+        "chunk_index": chunk.chunk_index,
+        "final": chunk.final,
+        "slots": [[s.name, dtype_name(s.dtype), list(s.shape), s.bucket, s.offset] for s in chunk.slots],
+        "bucket_sizes": list(chunk.bucket_sizes),
+        "ipc_buckets": list(chunk.ipc_buckets),
+    }
+
+
+def chunk_from_wire(wire: dict) -> WeightChunk:
+    slots = [ParamSlot(name, getattr(torch, dtype), tuple(shape), bucket, offset)
+             for name, dtype, shape, bucket, offset in wire["slots"]]
+    return WeightChunk(chunk_index=wire["chunk_index"], final=wire["final"], slots=slots,
+                       bucket_sizes=list(wire["bucket_sizes"]), ipc_buckets=list(wire["ipc_buckets"]))
+
+
+class WeightReceiver:
+    """One per model replica (per vLLM worker, or the hf engine's model)."""
+
+    def __init__(self) -> None:
+        self.backend = ""
+        self.group = None
+        self.rank = -1
+
+    def open(self, backend: str, master_address: str, master_port: int, world_size: int, rank: int,
+             group_name: str, timeout_s: float) -> int:
+        """Joins the push group as `rank` (gloo/nccl; blocks until every rank joined) or selects ipc."""
+        self.close()
+        if backend != "ipc":
+            self.group = open_weight_group(backend, master_address, master_port, world_size, rank,
+                                           group_name, timeout_s)
+            self.rank = rank
+        self.backend = backend
+        return self.rank
+
+    def close(self) -> None:
+        # Dropping the group object closes its connections; a broken group must not be reused.
+        self.group, self.backend, self.rank = None, "", -1
+
+    def receive(self, chunk: WeightChunk, device: torch.device, load: LoadFn) -> dict[str, str]:
+        """Receives every bucket of `chunk`, calls load(pairs) per bucket; returns name -> hex digest.
+
+        A failure (peer gone, timeout, missing handle) raises; the group is then closed, so the
+        next push needs a new InitWeightTransfer.
+        """
+        if not self.backend:
+            raise RuntimeError("no weight transfer set up on this worker; call InitWeightTransfer first")
+        digests: dict[str, str] = {}
+        try:
+            for buffer, members in self._buckets(chunk, device):
+                digests.update({n: d.hex() for n, d in bucket_digests(buffer, members).items()})
+                load(unpack_bucket(buffer, members))
+        except BaseException:
+            if self.backend != "ipc":
+                self.close()
+            raise
+        return digests
+
+    def _buckets(self, chunk: WeightChunk, device: torch.device) -> Iterator[tuple[torch.Tensor, list[ParamSlot]]]:
+        if self.backend != "ipc":
+            yield from receive_buckets(self.group, chunk.slots, chunk.bucket_sizes)
+            return
+        mine = device_uuid(device)
+        handles = {}
+        for raw in chunk.ipc_buckets:
+            msg = rollout_pb2.IpcBucket.FromString(raw)
+            if msg.device_uuid == mine:
+                handles[msg.bucket] = msg
+        for bucket, members in enumerate(bucket_members(chunk.slots, len(chunk.bucket_sizes))):
+            if bucket not in handles:
+                raise RuntimeError(f"ipc_buckets has no handle of bucket {bucket} for this worker's GPU {mine}")
+            buffer = open_bucket_ipc(handles[bucket], device)
+            if buffer.numel() != chunk.bucket_sizes[bucket]:
+                raise RuntimeError(f"ipc bucket {bucket}: handle maps {buffer.numel()} bytes, "
+                                   f"bucket_bytes says {chunk.bucket_sizes[bucket]}")
+            yield buffer, members
+            # The producer may reuse its buffer once the reply arrives: finish reading it first.
+            torch.cuda.synchronize(device)
+            del buffer

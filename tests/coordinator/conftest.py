@@ -1,0 +1,78 @@
+"""Helpers shared by the coordinator's end-to-end tests: running the real coordinator process."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from rlmesh.coordinator.v1 import coordinator_pb2_grpc
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def service_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(DS_ACCELERATOR="cpu", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
+               RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="offline")
+    return env
+
+
+def start_coordinator(module: str, argv: list[str], log_path: pathlib.Path) -> subprocess.Popen:
+    log = open(log_path, "wb")
+    return subprocess.Popen([sys.executable, "-m", module, *argv], cwd=REPO, env=service_env(), stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, log_path: pathlib.Path, timeout_s: float) -> str:
+    """Waits for the coordinator; returns its log. Kills it (and fails) past timeout_s."""
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        proc.wait(60)
+        pytest.fail(f"the coordinator ran past {timeout_s} s:\n{log_path.read_text(errors='replace')[-6000:]}")
+    return log_path.read_text(errors="replace")
+
+
+def read_metrics(run_dir: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def wait_for_file(path: pathlib.Path, proc: subprocess.Popen, log_path: pathlib.Path, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if proc.poll() is not None:
+            pytest.fail(f"the coordinator exited ({proc.returncode}):\n{log_path.read_text(errors='replace')[-6000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"{path} did not appear within {timeout_s} s")
+        time.sleep(0.2)
+    return json.loads(path.read_text())
+
+
+def control_stub(address: str):
+    channel = grpc.insecure_channel(address)
+    return channel, coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes.
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def service_pids(run_dir: pathlib.Path) -> dict[str, int]:
+    return {p.name.removesuffix(".ready.json"): json.loads(p.read_text())["pid"]
+            for p in (run_dir / "logs").glob("*.ready.json")}

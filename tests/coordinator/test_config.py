@@ -1,0 +1,121 @@
+"""The coordinator's flags: the seed documents' commands parse, contradictions fail with a fix."""
+
+import warnings
+
+import pytest
+
+from services.common.config import ConfigError, build_parser, config_from_args
+from services.coordinator.config import CoordinatorConfig, GpuOnlyFlagWarning
+
+# The flags named in the coordinator issue (the seed documents' vocabulary); each must exist.
+SEED_FLAGS = """actor_num_nodes actor_num_gpus_per_node critic_num_nodes critic_num_gpus_per_node reward_num_nodes
+reward_num_gpus_per_node ref_num_nodes ref_num_gpus_per_node vllm_num_engines vllm_tensor_parallel_size
+vllm_gpu_memory_utilization colocate_all_models colocate_actor_ref colocate_critic_reward vllm_enable_sleep
+deepspeed_enable_sleep pretrain reward_pretrain remote_rm_url save_path ckpt_path save_steps logging_steps
+load_checkpoint max_ckpt_num save_hf_ckpt save_value_network micro_train_batch_size train_batch_size
+micro_rollout_batch_size rollout_batch_size n_samples_per_prompt max_epochs num_episodes prompt_max_len
+generate_max_len zero_stage bf16 actor_learning_rate critic_learning_rate init_kl_coef use_kl_loss kl_estimator
+advantage_estimator no_advantage_std_norm normalize_reward gamma lambd eps_clip value_clip temperature top_p
+gradient_checkpointing flash_attn packing_samples adam_offload prompt_data input_key label_key apply_chat_template
+input_template use_wandb wandb_project use_tensorboard seed""".split()
+
+
+def parse(argv, tmp_path=None):
+    parser = build_parser(CoordinatorConfig)
+    return config_from_args(CoordinatorConfig, parser.parse_args(argv))
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cfg")
+    for name in ("model", "rm"):
+        (root / name).mkdir()
+    (root / "data.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
+    return root
+
+
+def base(paths, *extra):
+    return ["--placement", "local", "--device", "cpu", "--pretrain", str(paths / "model"),
+            "--prompt_data", str(paths / "data.jsonl"), "--reward_func", "math", "--label_key", "label",
+            "--rollout_batch_size", "4", "--n_samples_per_prompt", "4", "--train_batch_size", "8",
+            "--micro_train_batch_size", "2", "--advantage_estimator", "group_norm", *extra]
+
+
+def test_every_seed_flag_has_help():
+    parser = build_parser(CoordinatorConfig)
+    options = {a.dest: a for a in parser._actions}
+    for flag in SEED_FLAGS:
+        assert flag in options, f"--{flag} missing"
+        assert options[flag].help and len(options[flag].help) > 15, f"--{flag} has no help text"
+
+
+def test_openrlhf_grpo_command_parses(paths):
+    argv = ["--advantage_estimator", "group_norm", "--ref_num_nodes", "1", "--ref_num_gpus_per_node", "8",
+            "--reward_num_nodes", "1", "--reward_num_gpus_per_node", "8", "--actor_num_nodes", "1",
+            "--actor_num_gpus_per_node", "8", "--vllm_num_engines", "4", "--vllm_tensor_parallel_size", "2",
+            "--colocate_all_models", "--pretrain", str(paths / "model"), "--reward_pretrain", str(paths / "rm"),
+            "--save_path", "./output/llama3-8b-grpo", "--micro_train_batch_size", "8", "--train_batch_size", "128",
+            "--micro_rollout_batch_size", "16", "--rollout_batch_size", "1024", "--max_epochs", "1", "--bf16",
+            "--actor_learning_rate", "5e-7", "--init_kl_coef", "0.01", "--use_kl_loss", "--kl_estimator", "k3",
+            "--normalize_reward", "--no_advantage_std_norm", "--n_samples_per_prompt", "8",
+            "--prompt_data", str(paths / "data.jsonl"), "--placement", "local", "--device", "cuda"]
+    cfg = parse(argv)
+    assert (cfg.advantage_estimator, cfg.kl_estimator, cfg.use_kl_loss, cfg.no_advantage_std_norm) == \
+        ("group_norm", "k3", True, True)
+    assert cfg.actor_gpus() == 8 and cfg.vllm_num_engines * cfg.vllm_tensor_parallel_size == 8
+    assert cfg.vllm_gpu_memory_utilization == 0.5  # colocated default
+    assert cfg.sync_backend() == "ipc"
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--colocate_all_models", "--vllm_num_engines", "2"], "actor GPUs (1 x 1 = 1) must equal --vllm_num_engines"),
+    (["--n_samples_per_prompt", "1", "--train_batch_size", "4"], "set --n_samples_per_prompt >= 2"),
+    (["--train_batch_size", "32"], "--train_batch_size 32 must divide the samples of one step"),
+    (["--train_batch_size", "6"], "must divide the samples of one step"),
+    (["--micro_train_batch_size", "3"], "multiple of --micro_train_batch_size"),
+    (["--remote_rm_url", "http://127.0.0.1:5000/get_reward"], "give exactly one reward source"),
+    (["--label_key", ""], "set --label_key"),
+    (["--dynamic_filtering", "--dynamic_filtering_reward_range", "1", "0"], "LOW < HIGH"),
+    (["--rollout_addresses", "127.0.0.1:1"], "use --placement static"),
+])
+def test_contradictions_fail_with_a_fix(paths, extra, needle):
+    with pytest.raises(ConfigError, match=None) as err:
+        parse(base(paths, *extra))
+    assert needle in str(err.value)
+
+
+def test_missing_model_folder_says_no_downloads(paths):
+    with pytest.raises(ConfigError) as err:
+        parse(base(paths, "--pretrain", "Qwen/Qwen2.5-0.5B"))
+    assert "does not download" in str(err.value)
+
+
+def test_gpu_only_flags_warn_on_cpu(paths):
+    with pytest.warns(GpuOnlyFlagWarning) as caught:
+        cfg = parse(base(paths, "--flash_attn", "--vllm_enable_sleep", "--deepspeed_enable_sleep",
+                         "--vllm_gpu_memory_utilization", "0.9", "--vllm_sync_backend", "nccl"))
+    messages = " ".join(str(w.message) for w in caught)
+    assert "--flash_attn needs a GPU" in messages and "--vllm_enable_sleep needs a GPU" in messages
+    assert (cfg.flash_attn, cfg.vllm_enable_sleep, cfg.deepspeed_enable_sleep) == (False, False, False)
+    assert cfg.vllm_gpu_memory_utilization == 0.1 and cfg.sync_backend() == "gloo"
+
+
+def test_yaml_holds_any_flag_and_cli_wins(paths, tmp_path):
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text(f"pretrain: {paths / 'model'}\nprompt_data: {paths / 'data.jsonl'}\nreward_func: math\n"
+                         "label_key: label\nadvantage_estimator: rloo\nn_samples_per_prompt: 2\nrollout_batch_size: 4\n"
+                         "train_batch_size: 8\nmicro_train_batch_size: 2\ninit_kl_coef: 0.0\nplacement: local\n"
+                         "device: cpu\ntemperature: 0.7\n")
+    cfg = parse(["--config", str(yaml_file), "--temperature", "0.9"])
+    assert (cfg.advantage_estimator, cfg.temperature, cfg.ref_needed) == ("rloo", 0.9, False)
+
+
+def test_static_placement_from_environment(paths, monkeypatch):
+    monkeypatch.setenv("RLMESH_ROLLOUT_ADDRESSES", "10.0.0.1:1,10.0.0.2:1")
+    monkeypatch.setenv("RLMESH_LEARNER_ADDRESS", "10.0.0.3:1")
+    argv = [a for a in base(paths) if a not in ("--placement", "local")]
+    cfg = parse(["--placement", "auto", *argv[0:]])
+    assert cfg.placement == "static" and cfg.rollout_addresses == ["10.0.0.1:1", "10.0.0.2:1"]
+    monkeypatch.delenv("RLMESH_LEARNER_ADDRESS")
+    with pytest.raises(ConfigError, match="--learner_address"):
+        parse(["--placement", "auto", *argv])

@@ -1,0 +1,135 @@
+"""The learner's pieces without a service: micro-batch collation (padded and packed), the training
+plan, the LR schedule, checkpoint folders, and how a rank finds its place."""
+
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from services.common.logprobs import token_logprobs
+from services.learner import checkpoint
+from services.learner.batches import Sample, collate, plan_training
+from services.learner.deepspeed_setup import lr_multiplier
+from services.learner.learner_rank import forward_micro_batch
+from services.learner.spmd import resolve_rank_spec
+
+
+def _samples(n: int, seed: int = 0, vocab: int = 600) -> list[Sample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(4, 12, (1,), generator=g))
+        start = 1 + i % 3
+        out.append(Sample(torch.randint(4, vocab, (length,), generator=g), start,
+                          {"advantages": torch.full((length - start,), float(i))}))
+    return out
+
+
+def _response_logprobs(model, mb) -> torch.Tensor:
+    logits = forward_micro_batch(model, mb).logits
+    return token_logprobs(logits[:, :-1], mb.input_ids[:, 1:]).reshape(-1)[mb.out_index]
+
+
+def test_packed_and_padded_micro_batches_give_the_same_logprobs(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    samples = _samples(5)
+    padded, packed = collate(samples), collate(samples, packed=True)
+    assert packed.input_ids.shape == (1, sum(s.input_ids.numel() for s in samples))
+    assert torch.equal(padded.response_mask, packed.response_mask)
+    assert torch.equal(padded.fields["advantages"], packed.fields["advantages"])
+    with torch.no_grad():
+        a, b = _response_logprobs(model, padded), _response_logprobs(model, packed)
+        alone = [_response_logprobs(model, collate([s]))[0] for s in samples]
+    mask = padded.response_mask
+    torch.testing.assert_close(a[mask], b[mask], atol=1e-5, rtol=0)
+    for i, s in enumerate(samples):  # each sample's own tokens, nothing of its neighbours
+        torch.testing.assert_close(b[i, :s.response_len], alone[i], atol=1e-5, rtol=0)
+
+
+def test_plan_gives_every_rank_an_equal_share_of_each_step():
+    samples = _samples(16)
+    plans = plan_training(samples, train_batch_size=8, micro_batch_size=2, world_size=2, epochs=2, seed=5)
+    assert [len(p) for p in plans] == [4, 4]  # 16 samples / 8 per step x 2 epochs
+    for k in range(4):
+        step_samples = [s for rank in plans for mb in rank[k].micro_batches for s in mb]
+        assert len(step_samples) == 8 and all(len(mb) == 2 for rank in plans for mb in rank[k].micro_batches)
+        assert plans[0][k].tokens == plans[1][k].tokens == sum(s.action_tokens for s in step_samples)
+        assert plans[0][k].sequences == 8
+    for epoch in range(2):
+        seen = [id(s) for rank in plans for step in rank[2 * epoch:2 * epoch + 2] for mb in step.micro_batches
+                for s in mb]
+        assert sorted(seen) == sorted(id(s) for s in samples)  # each sample once per epoch
+    again = plan_training(samples, 8, 2, 2, 2, seed=5)
+    other = plan_training(samples, 8, 2, 2, 2, seed=6)
+    order = lambda p: [id(s) for rank in p for step in rank for mb in step.micro_batches for s in mb]  # noqa: E731
+    assert order(again) == order(plans) and order(other) != order(plans)
+
+
+def test_lr_schedule():
+    assert [lr_multiplier(s, 4, 100, "constant_with_warmup", 0.1) for s in (0, 1, 3, 4, 99)] == [0.25, 0.5, 1, 1, 1]
+    cosine = [lr_multiplier(s, 0, 100, "cosine_with_min_lr", 0.1) for s in (0, 50, 100, 200)]
+    assert cosine == pytest.approx([1.0, 0.55, 0.1, 0.1])
+    assert lr_multiplier(2, 4, 100, "cosine_with_min_lr", 0.1) == 0.75
+
+
+def test_checkpoint_folders(tmp_path):
+    def make(step: int, complete: bool):
+        folder = checkpoint.step_dir(tmp_path, step)
+        (folder / "actor").mkdir(parents=True)
+        if complete:
+            checkpoint.write_atomic(folder / checkpoint.MARKER, checkpoint.marker_contents(2, 3, ["actor"], step))
+        return folder
+
+    for step, complete in ((1, True), (2, True), (3, False), (4, True)):
+        make(step, complete)
+    assert checkpoint.resolve_checkpoint(tmp_path, 0).name == "global_step_4"
+    with pytest.raises(ValueError, match="incomplete"):
+        checkpoint.resolve_checkpoint(tmp_path, 3)
+    (tmp_path / "latest").write_text("global_step_2")
+    assert checkpoint.resolve_checkpoint(tmp_path, 0).name == "global_step_2"  # the coordinator's choice
+    removed = checkpoint.prune(tmp_path, keep=1, newest=tmp_path / "global_step_4")
+    # Step 1 is beyond max_ckpt_num, step 3 is a crashed save; step 2 stays: `latest` names it.
+    assert sorted(removed) == [str(tmp_path / "global_step_1"), str(tmp_path / "global_step_3")]
+    with pytest.raises(ValueError, match="--zero_stage"):
+        checkpoint.check_compatible(tmp_path / "global_step_4", world_size=2, zero_stage=2, models=["actor"])
+    with pytest.raises(ValueError, match="critic"):
+        checkpoint.check_compatible(tmp_path / "global_step_4", world_size=2, zero_stage=3, models=["actor", "critic"])
+
+
+def test_rank_spec_from_flags_and_launcher_environment(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    spec = resolve_rank_spec(-1, 0, -1, "", 0, num_gpus=4)
+    assert (spec.rank, spec.world_size, spec.spawn_local, spec.master_addr) == (0, 4, True, "127.0.0.1")
+    assert spec.master_port > 0
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.2")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    spec = resolve_rank_spec(-1, 0, -1, "", 0, num_gpus=1)
+    assert (spec.rank, spec.world_size, spec.local_rank, spec.master_addr, spec.master_port, spec.spawn_local) == \
+        (3, 8, 1, "10.0.0.2", 29500, False)
+    assert resolve_rank_spec(5, 0, -1, "", 0, num_gpus=1).rank == 5  # a flag wins
+    assert os.environ["RANK"] == "3"
+
+
+def test_chunked_logprobs_match_the_plain_path_with_gradients(tiny_model_dir):
+    from services.learner.chunked_logprobs import response_outputs
+    from services.common.rl_math import entropy_from_logits
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    for packed in (False, True):
+        mb = collate(_samples(4, seed=3), packed=packed)
+        logits = forward_micro_batch(model, mb).logits
+        response_logits = logits[:, :-1].reshape(-1, logits.shape[-1])[mb.out_index]
+        plain = token_logprobs(response_logits, mb.input_ids[:, 1:].reshape(-1)[mb.out_index], 0.8)
+        plain_entropy = entropy_from_logits(response_logits, 0.8)
+        (grad_plain,) = torch.autograd.grad((plain * mb.response_mask).sum(), model.lm_head.weight)
+        chunked, entropy = response_outputs(model, mb, 0.8, chunk_tokens=5, want_entropy=True)
+        (grad_chunked,) = torch.autograd.grad((chunked * mb.response_mask).sum(), model.lm_head.weight)
+        mask = mb.response_mask
+        torch.testing.assert_close(chunked[mask], plain[mask], atol=2e-5, rtol=0)
+        torch.testing.assert_close(entropy[mask], plain_entropy[mask], atol=2e-5, rtol=0)
+        torch.testing.assert_close(grad_chunked, grad_plain, atol=1e-5, rtol=1e-4)

@@ -1,0 +1,223 @@
+"""The learner service with two CPU ranks (gloo), ZeRO-2, an actor and a critic, over gRPC.
+
+One service process (rank 0 starting rank 1) serves every test of this module; the tests run in
+file order and build on each other's state only where they say so.
+"""
+
+import urllib.request
+
+import grpc
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlmesh.common.v1 import common_pb2
+from rlmesh.learner.v1 import learner_pb2 as pb
+from services.common.tensors import ragged_from_proto, ragged_to_proto, to_proto
+from services.learner.deepspeed_setup import lr_multiplier
+from tests.learner.learner_helpers import (
+    WeightListener,
+    experience,
+    export_weights,
+    init_transfer,
+    logprobs,
+    push_weights,
+    random_sequences,
+    reference_logprobs,
+    response_lengths,
+    signed_advantages,
+    start_learner,
+)
+
+LR = 2e-3
+TRAIN_BATCH = 4
+MICRO_FORWARD = 3
+
+
+@pytest.fixture(scope="module")
+def learner(tmp_path_factory, tiny_model_dir, tiny_reward_model_dir):
+    proc = start_learner(
+        tmp_path_factory.mktemp("learner_z2"), "--pretrain", str(tiny_model_dir), "--critic_pretrain",
+        str(tiny_reward_model_dir), "--num_gpus", "2", "--zero_stage", "2", "--train_batch_size", str(TRAIN_BATCH),
+        "--micro_train_batch_size", "1", "--micro_forward_batch_size", str(MICRO_FORWARD), "--actor_learning_rate",
+        str(LR), "--critic_learning_rate", str(LR), "--gradient_checkpointing", "--lr_scheduler", "cosine_with_min_lr",
+        "--max_steps", "1000", "--lr_warmup_ratio", "0.004", "--metrics_port", "0", "--logprobs_chunk_tokens", "16")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def plain_model(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def test_get_info(learner, tiny_model_dir, plain_model):
+    info = learner.stub.GetInfo(pb.GetInfoRequest(), timeout=10)
+    assert (info.world_size, info.zero_stage, info.dtype, info.dist_backend) == (2, 2, "float32", "gloo")
+    assert info.actor_num_parameters == sum(p.numel() for p in plain_model.parameters())
+    assert info.critic_num_parameters > 0 and info.critic_pretrain
+    assert info.vocab_size == plain_model.config.vocab_size
+    assert info.actor_global_step == 0 and info.weight_version == 0
+
+
+def test_logprobs_equal_a_plain_transformers_forward(learner, plain_model):
+    seqs, starts = random_sequences(7, plain_model.config.vocab_size, seed=1)
+    for temperature in (0.0, 0.7):
+        got = logprobs(learner.stub, seqs, starts, temperature)
+        want = reference_logprobs(plain_model, seqs, starts, world=2, micro=MICRO_FORWARD,
+                                  pad_id=plain_model.config.pad_token_id, temperature=temperature or 1.0)
+        assert [g.numel() for g in got] == response_lengths(seqs, starts)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)  # same micro-batches, same weights: bit for bit
+    # And against one unpadded forward per sample (padding may move the last bits only).
+    with torch.no_grad():
+        for g, s, st in zip(got, seqs, starts):
+            alone = torch.log_softmax(plain_model(s[None]).logits[0, :-1].float() / 0.7, -1)
+            torch.testing.assert_close(g, alone.gather(-1, s[1:, None])[:, 0][st - 1:], atol=1e-5, rtol=0)
+
+
+def _status(call, *args) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        call(*args, timeout=60)
+    return info.value
+
+
+def test_bad_input_is_rejected_naming_field_and_sample(learner, plain_model):
+    stub, vocab = learner.stub, plain_model.config.vocab_size
+    seqs, starts = random_sequences(TRAIN_BATCH, vocab, seed=2)
+    old = logprobs(stub, seqs, starts)
+    adv = signed_advantages(seqs, starts)
+
+    def train(**changes):
+        fields = {"old_logprobs": old, "advantages": adv, **changes}
+        return _status(stub.TrainActor, pb.TrainActorRequest(batch=experience(seqs, starts, **fields)))
+
+    short = [a.clone() for a in adv]
+    short[2] = short[2][:-1]
+    nan = [a.clone() for a in adv]
+    nan[1][0] = float("nan")
+    masks = [torch.ones(n) for n in response_lengths(seqs, starts)]
+    masks[3] = torch.zeros_like(masks[3])
+    cases = [
+        (train(advantages=short), "batch.advantages of sample 2"),
+        (train(advantages=nan), "batch.advantages of sample 1"),
+        (train(action_mask=masks), "batch.action_mask of sample 3"),
+        (_status(stub.TrainActor, pb.TrainActorRequest(batch=experience(seqs[:3], starts[:3], old_logprobs=old[:3],
+                                                                        advantages=adv[:3]))), "train_batch_size"),
+        (_status(stub.TrainActor, pb.TrainActorRequest(batch=experience(seqs, starts, advantages=adv))),
+         "batch.old_logprobs"),
+        (_status(stub.LogProbs, pb.LogProbsRequest(input_ids=ragged_to_proto([]),
+                                                   response_start=to_proto(torch.zeros(0, dtype=torch.int64)))),
+         "empty"),
+        (_status(stub.LogProbs, pb.LogProbsRequest(input_ids=ragged_to_proto([torch.tensor([1, vocab + 5, 2])]),
+                                                   response_start=to_proto(torch.tensor([1])))),
+         "input_ids of sample 0"),
+        (_status(stub.TrainActor, pb.TrainActorRequest(batch=experience(seqs, starts, old_logprobs=old,
+                                                                        advantages=adv),
+                                                       loss=pb.ActorLoss(dual_clip=0.5))), "loss.dual_clip"),
+    ]
+    for error, needle in cases:
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+        assert needle in error.details() and "fix:" in error.details(), error.details()
+    assert stub.GetInfo(pb.GetInfoRequest(), timeout=10).actor_global_step == 0  # nothing trained, still serving
+
+
+def test_non_finite_loss_skips_the_step_and_keeps_the_weights(learner, plain_model):
+    seqs, starts = random_sequences(TRAIN_BATCH, plain_model.config.vocab_size, seed=3)
+    before = logprobs(learner.stub, seqs, starts)
+    # Finite advantages whose loss overflows float32: the gradient is not finite.
+    huge = [torch.full((n,), 3e38) for n in response_lengths(seqs, starts)]
+    r = learner.stub.TrainActor(pb.TrainActorRequest(batch=experience(seqs, starts, old_logprobs=before,
+                                                                      advantages=huge)), timeout=120)
+    assert (r.skipped_steps, r.optimizer_steps) == (1, 0)
+    after = logprobs(learner.stub, seqs, starts)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_training_lowers_the_loss_and_moves_every_parameter(learner, plain_model, tiny_model_dir, tmp_path):
+    stub = learner.stub
+    seqs, starts = random_sequences(2 * TRAIN_BATCH, plain_model.config.vocab_size, seed=4)
+    old = logprobs(stub, seqs, starts)
+    batch = experience(seqs, starts, old_logprobs=old, advantages=signed_advantages(seqs, starts))
+    losses, lrs = [], []
+    for call in range(4):
+        r = stub.TrainActor(pb.TrainActorRequest(batch=batch, shuffle_seed=call,
+                                                 loss=pb.ActorLoss(eps_clip_low=10.0)), timeout=300)
+        assert (r.optimizer_steps, r.skipped_steps) == (2, 0)
+        assert r.tokens == sum(response_lengths(seqs, starts))
+        losses.append(r.policy_loss)
+        lrs.append(r.learning_rate)
+    assert losses[-1] < losses[0] - 0.1, losses
+    # Cosine schedule with 4 warm-up steps (0.004 x 1000); this is the fourth call (steps 6 and 7),
+    # and the skipped step of the previous test did not advance it.
+    warmup = 4
+    assert lrs[0] == pytest.approx(LR * lr_multiplier(1, warmup, 1000, "cosine_with_min_lr", 0.1), rel=1e-6)
+    assert lrs[-1] == pytest.approx(LR * lr_multiplier(7, warmup, 1000, "cosine_with_min_lr", 0.1), rel=1e-6)
+    trained = export_weights(stub, tmp_path / "export")
+    initial = load_file(str(tiny_model_dir / "model.safetensors"))
+    assert trained.keys() == initial.keys()
+    unmoved = [name for name in initial if torch.equal(initial[name], trained[name])]
+    assert not unmoved, f"parameters that did not move: {unmoved}"
+    # The export is a working Hugging Face folder.
+    AutoTokenizer.from_pretrained(tmp_path / "export")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32)
+    assert torch.equal(reloaded.lm_head.weight, trained["lm_head.weight"])
+
+
+def test_critic_training_lowers_the_value_loss(learner, plain_model):
+    stub = learner.stub
+    seqs, starts = random_sequences(TRAIN_BATCH, plain_model.config.vocab_size, seed=5)
+    request = pb.ValuesRequest(input_ids=ragged_to_proto(seqs), response_start=to_proto(starts))
+    old_values = ragged_from_proto(stub.Values(request, timeout=60).values)
+    assert [v.numel() for v in old_values] == response_lengths(seqs, starts)
+    returns = [torch.full((n,), 0.75) for n in response_lengths(seqs, starts)]
+    batch = experience(seqs, starts, returns=returns, old_values=old_values)
+    losses = [stub.TrainCritic(pb.TrainCriticRequest(batch=batch, shuffle_seed=i, value_clip=0.0),
+                               timeout=300).value_loss for i in range(4)]
+    assert losses[-1] < 0.5 * losses[0], losses
+    new_values = ragged_from_proto(stub.Values(request, timeout=60).values)
+    err = lambda vs: sum(float(((v - 0.75) ** 2).sum()) for v in vs)  # noqa: E731
+    assert err(new_values) < err(old_values)
+    assert stub.GetInfo(pb.GetInfoRequest(), timeout=10).critic_global_step == 4
+
+
+def test_push_weights_arrive_bit_exact_over_gloo(learner, tmp_path):
+    listener = WeightListener(tmp_path)
+    try:
+        init_transfer(learner.stub, listener)
+        # Small buckets, two per chunk: several UpdateWeights calls, several broadcasts each.
+        done, chunks, checksum, received = push_weights(learner.stub, listener, version=7,
+                                                        dtype=common_pb2.DTYPE_BFLOAT16, bucket_bytes=120_000,
+                                                        buckets_per_chunk=2)
+    finally:
+        listener.close()
+    assert chunks >= 2 and done.num_buckets >= 3
+    assert done.weights_checksum == checksum and done.version == 7
+    trained = export_weights(learner.stub, tmp_path / "export")
+    assert received.keys() == trained.keys()
+    for name, tensor in trained.items():
+        assert received[name].dtype == torch.bfloat16
+        assert torch.equal(received[name], tensor.to(torch.bfloat16)), name
+    assert done.bytes == sum(t.numel() * 2 for t in trained.values())
+    assert learner.stub.GetInfo(pb.GetInfoRequest(), timeout=10).weight_version == 7
+
+
+def test_offload_blocks_model_calls_until_reload(learner, plain_model):
+    seqs, starts = random_sequences(2, plain_model.config.vocab_size, seed=6)
+    assert not learner.stub.Offload(pb.OffloadRequest(), timeout=60).moved  # CPU: nothing to move
+    assert learner.stub.GetInfo(pb.GetInfoRequest(), timeout=10).offloaded
+    error = _status(learner.stub.LogProbs, pb.LogProbsRequest(input_ids=ragged_to_proto(seqs),
+                                                              response_start=to_proto(starts)))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "Reload" in error.details()
+    learner.stub.Reload(pb.ReloadRequest(), timeout=60)
+    assert len(logprobs(learner.stub, seqs, starts)) == 2
+
+
+def test_metrics_report_training(learner):
+    text = urllib.request.urlopen(f"http://127.0.0.1:{learner.info['metrics_port']}/metrics", timeout=10).read().decode()
+    for needle in ('rlmesh_learner_tokens_trained_total{model="actor"}', 'rlmesh_learner_skipped_steps_total{model="actor"} 1.0',
+                   "rlmesh_learner_weight_push_bytes_total", 'rlmesh_learner_train_phase_duration_seconds_count{model="critic",phase="backward"}',
+                   'rlmesh_learner_errors_total{code="INVALID_ARGUMENT",method="TrainActor"}', "rlmesh_learner_policy_loss",
+                   'rlmesh_learner_learning_rate{model="actor"}', 'rlmesh_learner_grad_norm{model="critic"}'):
+        assert needle in text, needle

@@ -1,0 +1,114 @@
+"""Reward function files: loading, arguments, return forms, time limits, errors."""
+
+import asyncio
+import pathlib
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from services.common.config import ConfigError
+from services.common.errors import ServiceError
+from services.reward.function_source import FunctionRewardSource, load_reward_func
+from services.reward.source import ScoreBatch
+
+EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "reward_func.py"
+
+
+def write(tmp_path, body: str) -> str:
+    path = tmp_path / "my_reward.py"
+    path.write_text(body)
+    return str(path)
+
+
+def run(source, batch):
+    async def go():
+        await source.start()
+        return await source.score(batch)
+
+    return asyncio.run(go())
+
+
+def test_example_file(tmp_path):
+    source = FunctionRewardSource.from_file(str(EXAMPLE), timeout_s=10, batch_size=2)
+    responses = ["so \\boxed{4}", "\\boxed{5}", "maybe 4", "\\boxed{4}" + "x" * 300]
+    out = run(source, ScoreBatch.from_texts(["2+2="] * 4, responses, ["4"] * 4))
+    np.testing.assert_allclose(out.rewards, [1.0, 0.0, 0.0, 1.0 - 0.001 * (len(responses[3]) - 200)])
+    np.testing.assert_array_equal(out.extra["has_boxed"], [1, 1, 0, 1])
+
+
+def test_positional_only_function_gets_no_extra_arguments_and_may_return_a_tensor(tmp_path):
+    path = write(tmp_path, "import torch\n"
+                           "def reward_func(queries, prompts, labels):\n"
+                           "    return torch.tensor([float(len(q)) for q in queries])\n")
+    out = run(FunctionRewardSource.from_file(path, timeout_s=10), ScoreBatch.from_texts(["ab", "c"], ["d", ""]))
+    np.testing.assert_array_equal(out.rewards, [3.0, 1.0])
+
+
+def test_named_optional_arguments_are_passed(tmp_path):
+    path = write(tmp_path, "def reward_func(queries, prompts, labels, data_sources, sample_ids):\n"
+                           "    return [float(d == 'math') + len(s) for d, s in zip(data_sources, sample_ids)]\n")
+    batch = ScoreBatch.from_texts(["a", "b"], ["", ""], sample_ids=["xy", "z"], data_sources=["math", "code"])
+    np.testing.assert_array_equal(run(FunctionRewardSource.from_file(path, timeout_s=10), batch).rewards, [3.0, 1.0])
+
+
+def test_runs_off_the_event_loop_and_times_out_per_batch(tmp_path):
+    path = write(tmp_path, "import time\n"
+                           "def reward_func(queries, prompts, labels, **kw):\n"
+                           "    time.sleep(float(labels[0]))\n"
+                           "    return [1.0] * len(queries)\n")
+    source = FunctionRewardSource.from_file(path, timeout_s=1.0)
+
+    async def go():
+        await source.start()
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.05)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        ok = await source.score(ScoreBatch.from_texts(["a"], ["b"], ["0.6"]))
+        assert ticks >= 8  # the loop kept running while the function slept 0.6 s
+        t0 = time.monotonic()
+        with pytest.raises(ServiceError) as err:
+            await source.score(ScoreBatch.from_texts(["a"], ["b"], ["30"]))
+        assert time.monotonic() - t0 < 2
+        task.cancel()
+        # A later batch is scored while the stuck call is still running in the background.
+        again = await source.score(ScoreBatch.from_texts(["a"], ["b"], ["0"]))
+        return ok, err.value, again
+
+    ok, err, again = asyncio.run(go())
+    assert ok.rewards.tolist() == [1.0] and again.rewards.tolist() == [1.0]
+    assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "--reward_func_timeout_s 1 s" in err.message and "my_reward.py" in err.message
+
+
+def test_exception_and_bad_answers(tmp_path):
+    path = write(tmp_path, "def reward_func(queries, prompts, labels, **kw):\n"
+                           "    if labels[0] == 'raise':\n"
+                           "        raise ValueError('cannot grade this')\n"
+                           "    if labels[0] == 'short':\n"
+                           "        return [1.0] * (len(queries) - 1)\n"
+                           "    return {'rewards': [1.0] * len(queries), 'scores': [float('inf')] * len(queries)}\n")
+    source = FunctionRewardSource.from_file(path, timeout_s=10)
+    cases = {"raise": (grpc.StatusCode.INTERNAL, "raised ValueError: cannot grade this"),
+             "short": (grpc.StatusCode.FAILED_PRECONDITION, "'rewards' has 2 values for 3 samples"),
+             "inf": (grpc.StatusCode.FAILED_PRECONDITION, "'scores'[0] (sample index 0) is inf")}
+    for label, (code, words) in cases.items():
+        with pytest.raises(ServiceError) as err:
+            run(source, ScoreBatch.from_texts(["a"] * 3, [""] * 3, [label] * 3))
+        assert err.value.code == code and words in err.value.message and "my_reward.py" in err.value.message
+
+
+def test_file_problems_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="defines no function reward_func"):
+        load_reward_func(write(tmp_path, "def score(x):\n    return x\n"))
+    with pytest.raises(ConfigError, match="importing it failed: SyntaxError"):
+        load_reward_func(write(tmp_path, "def reward_func(:\n"))
+    with pytest.raises(ConfigError, match="no such file"):
+        load_reward_func(str(tmp_path / "absent.py"))

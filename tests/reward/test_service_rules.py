@@ -1,0 +1,161 @@
+"""Rule rewards and remote gRPC reward servers over gRPC: the math rule service, the example
+function server, and reward services that call either of them as their remote."""
+
+import asyncio
+import time
+
+import grpc
+import numpy as np
+import torch
+import pytest
+
+from rlmesh.reward.v1 import reward_pb2, reward_pb2_grpc
+from services.common.client import make_sync_channel
+from services.common.errors import ServiceError
+from services.reward.client import RewardClient
+from services.reward.grpc_source import GrpcRewardSource
+from services.reward.remote import RemotePolicy
+from services.reward.source import ScoreBatch
+from tests.conftest import get_free_port
+from tests.reward.conftest import start_process, start_reward_service
+
+RESPONSES = ["The answer is \\boxed{7}", "I think it is 8", "no idea", "\\boxed{\\frac{14}{2}}"]
+LABELS = ["7", "7", "7", "7"]
+
+
+@pytest.fixture(scope="module")
+def math_service(tmp_path_factory):
+    proc = start_reward_service(tmp_path_factory.mktemp("svc_math"), "--reward_func", "math",
+                                "--math_wrong_reward", "-0.5", "--math_no_answer_reward", "-1",
+                                "--math_verify_workers", "1", "--math_verify_timeout_s", "1")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def example_server(tmp_path_factory):
+    """examples/grpc_reward_server.py, as a user would run it."""
+    tmp = tmp_path_factory.mktemp("example")
+    ready = tmp / "ready.json"
+    proc = start_process(["examples.grpc_reward_server", "--host", "127.0.0.1", "--port", "0",
+                          "--ready_file", str(ready)], ready)
+    yield proc
+    proc.stop()
+
+
+def score(address: str, batch: ScoreBatch):
+    async def go():
+        client = RewardClient(address, timeout_s=60)
+        try:
+            return await client.score(batch)
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+def test_math_rule_over_grpc(math_service):
+    out = score(math_service.address, ScoreBatch.from_texts(["3+4="] * 4, RESPONSES, LABELS))
+    np.testing.assert_array_equal(out.rewards, [1.0, -0.5, -1.0, 1.0])
+    np.testing.assert_array_equal(out.extra["accuracy"], [1, 0, 0, 1])
+    assert out.source == "rule"
+
+
+def test_math_without_labels_is_invalid_argument_and_service_keeps_serving(math_service):
+    with make_sync_channel(math_service.address) as channel:
+        stub = reward_pb2_grpc.RewardServiceStub(channel)
+        request = reward_pb2.ScoreRequest(samples=[reward_pb2.Sample(sample_id="a", response="\\boxed{1}", label="1"),
+                                                   reward_pb2.Sample(sample_id="b", response="\\boxed{2}")])
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Score(request)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert 'samples[1].label of sample 1 (id "b")' in err.value.details() and "Sample.label" in err.value.details()
+        assert stub.GetRewardInfo(reward_pb2.GetRewardInfoRequest()).requires_labels
+        reply = stub.Score(reward_pb2.ScoreRequest(samples=request.samples[:1]))
+        assert list(reply.sample_ids) == ["a"]
+
+
+def test_math_time_limit_keeps_other_callers_served(math_service):
+    """A sample that makes math-verify run for ever costs its caller ~1 s, not the service."""
+    slow = ScoreBatch.from_texts([""], ["\\boxed{9^{9^{9^{9}}}}"], ["1"])
+
+    async def both():
+        client = RewardClient(math_service.address, timeout_s=60)
+        try:
+            slow_task = asyncio.create_task(client.score(slow))
+            await asyncio.sleep(0.1)
+            t0 = time.monotonic()
+            fast = await client.score(ScoreBatch.from_texts([""], ["\\boxed{3}"], ["3"]))
+            return fast, time.monotonic() - t0, await slow_task
+        finally:
+            await client.close()
+
+    fast, fast_s, slow_out = asyncio.run(both())
+    assert fast.rewards.tolist() == [1.0] and fast_s < 0.5
+    assert slow_out.rewards.tolist() == [-0.5] and slow_out.extra["verify_timeout"].tolist() == [1.0]
+
+
+def test_example_function_server_speaks_score(example_server):
+    out = score(example_server.address, ScoreBatch.from_texts(["q"] * 3, ["x\n7", "7\nx", ""], ["7", "7", "7"]))
+    np.testing.assert_array_equal(out.rewards, [1.0, 0.0, 0.0])
+    np.testing.assert_array_equal(out.extra["length"], [3, 3, 0])
+
+
+def test_reward_service_calls_grpc_servers_with_failover(example_server, tmp_path):
+    down = f"grpc://127.0.0.1:{get_free_port()}"
+    proc = start_reward_service(tmp_path, "--remote_rm_url", f"{down},grpc://{example_server.address}",
+                                "--remote_rm_batch_size", "2", "--remote_rm_backoff_s", "0.05")
+    try:
+        batch = ScoreBatch.from_texts(["q"] * 7, [f"a\n{i % 3}" for i in range(7)], ["1"] * 7)
+        out = score(proc.address, batch)
+        np.testing.assert_array_equal(out.rewards, [1.0 if i % 3 == 1 else 0.0 for i in range(7)])
+        assert out.source == "grpc"
+    finally:
+        proc.stop()
+
+
+def test_remote_grpc_status_passes_through(math_service):
+    """A remote rlmesh reward service is a gRPC reward server too: its INVALID_ARGUMENT is not retried."""
+
+    async def go():
+        source = GrpcRewardSource([f"grpc://{math_service.address}"], RemotePolicy(max_retries=3))
+        await source.start()
+        try:
+            good = await source.score(ScoreBatch.from_texts(["q"], ["\\boxed{2}"], ["2"]))
+            with pytest.raises(ServiceError) as err:
+                await source.score(ScoreBatch.from_texts(["q"], ["\\boxed{2}"], [""]))
+            return good, err.value
+        finally:
+            await source.close()
+
+    good, err = asyncio.run(go())
+    assert good.rewards.tolist() == [1.0]
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT and "not retried" in err.message and "samples[0].label" in err.message
+
+
+def test_grpc_server_down_gives_unavailable():
+    down = f"grpc://127.0.0.1:{get_free_port()}"
+
+    async def go():
+        source = GrpcRewardSource([down], RemotePolicy(max_retries=2, backoff_s=0.05, timeout_s=2))
+        await source.start()
+        try:
+            with pytest.raises(ServiceError) as err:
+                await source.score(ScoreBatch.from_texts(["q"], ["a"], ["b"]))
+            return err.value
+        finally:
+            await source.close()
+
+    err = asyncio.run(go())
+    assert err.code == grpc.StatusCode.UNAVAILABLE and "3 attempts" in err.message and down in err.message
+
+
+def test_rollout_sized_batch_through_the_service(math_service):
+    """8,192 samples with 2,048-token responses (token ids and text, ~200 MB in all) in one client call."""
+    n, tokens = 8192, 2048
+    response = "word " * (tokens // 2) + "\\boxed{12}"
+    batch = ScoreBatch.from_texts(["What is 5+7? " * 20] * n, [response] * n, ["12"] * n,
+                                  prompt_token_ids=[torch.arange(256)] * n,
+                                  response_token_ids=[torch.arange(tokens) % 600] * n)
+    out = score(math_service.address, batch)
+    assert out.rewards.shape == (n,) and out.rewards.min() == 1.0

@@ -1,0 +1,86 @@
+"""The transformers fallback engine (`--engine hf`): its sampling transforms against fixed values,
+and the service with it: padded batches, stop conditions, and a gloo weight push."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlmesh.rollout.v1 import rollout_pb2
+from services.common import weights
+from services.rollout.hf_engine import process_logits
+from tests.rollout.helpers import by_key, generate, greedy_ids, hf_greedy, push_checkpoint, token_prompt, tokens
+
+
+def test_process_logits_follows_vllms_order_and_definitions():
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.06, 0.04]]))
+    same = process_logits(logits, 1.0, 0, 1.0, 0.0)
+    assert torch.allclose(same, logits)
+    # temperature 2: log p / 2
+    assert torch.allclose(process_logits(logits, 2.0, 0, 1.0, 0.0), logits / 2)
+    # top-k 2 keeps the two most likely tokens
+    assert torch.isinf(process_logits(logits, 1.0, 2, 1.0, 0.0)).tolist() == [[False, False, True, True, True]]
+    # top-p 0.8: 0.5 + 0.25 < 0.8, so 0.15 is still needed; the rest go
+    assert torch.isinf(process_logits(logits, 1.0, 0, 0.8, 0.0)).tolist() == [[False, False, False, True, True]]
+    # min-p 0.2: drop p < 0.2 * 0.5 = 0.1
+    assert torch.isinf(process_logits(logits, 1.0, 0, 1.0, 0.2)).tolist() == [[False, False, False, True, True]]
+    # top-p tiny: the most likely token always survives
+    assert torch.isinf(process_logits(logits, 1.0, 0, 1e-6, 0.0)).tolist() == [[False, True, True, True, True]]
+    # renormalised probabilities after top-k 2: 2/3 and 1/3
+    probs = process_logits(logits, 1.0, 2, 1.0, 0.0).softmax(-1)[0]
+    assert math.isclose(probs[0].item(), 2 / 3, rel_tol=1e-6) and math.isclose(probs[1].item(), 1 / 3, rel_tol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def hf(hf_rollout):
+    with hf_rollout.channel() as channel:
+        yield hf_rollout.stub(channel)
+
+
+def test_padded_batch_equals_one_prompt_at_a_time(hf, tiny_model_dir):
+    """Prompts of different lengths in one left-padded batch decode as they would alone."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompts = [[5], [20, 21, 14, 26, 32, 40, 41, 42, 43], [100, 7, 9]]
+    assert greedy_ids(hf, prompts, max_tokens=10) == [hf_greedy(model, p, 10) for p in prompts]
+
+
+def test_stop_token_and_stop_string_end_samples(hf):
+    prompt = [token_prompt("p", [20, 21, 14, 26, 32])]
+    free = tokens(generate(hf, prompt, temperature=0.0, max_tokens=12, ignore_eos=True)[0])
+    stop_id = free[3]
+    stopped = generate(hf, prompt, temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_id])[0]
+    assert tokens(stopped) == free[:free.index(stop_id) + 1]  # the stop token is included
+    assert stopped.finish_reason == rollout_pb2.FINISH_REASON_STOP
+    text = generate(hf, prompt, temperature=0.0, max_tokens=12, ignore_eos=True, return_text=True)[0].text
+    stop_string = text.strip().split()[1] if len(text.split()) > 1 else text.strip()[:2]
+    cut = generate(hf, prompt, temperature=0.0, max_tokens=12, ignore_eos=True, return_text=True, stop=[stop_string])[0]
+    assert cut.finish_reason == rollout_pb2.FINISH_REASON_STOP and stop_string not in cut.text
+    assert text.startswith(cut.text)
+
+
+def test_sampled_batch_with_n(hf):
+    responses = generate(hf, [token_prompt("a", [5, 6]), token_prompt("b", [7])], n=3, temperature=1.0,
+                         max_tokens=8, seed=11, logprobs=True)
+    got = by_key(responses)
+    assert sorted(got) == [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1), ("b", 2)]
+    assert len({tuple(tokens(got[("a", i)])) for i in range(3)}) > 1
+    again = by_key(generate(hf, [token_prompt("a", [5, 6]), token_prompt("b", [7])], n=3, temperature=1.0,
+                            max_tokens=8, seed=11, logprobs=True))
+    assert all(tokens(again[k]) == tokens(got[k]) for k in got)
+
+
+def test_weight_push_into_the_hf_engine(hf, hf_rollout, tiny_model_dir, tiny_model_dir_b):
+    model_b = AutoModelForCausalLM.from_pretrained(tiny_model_dir_b, dtype=torch.float32).eval()
+    result = push_checkpoint(hf_rollout.address, tiny_model_dir_b, version=1)
+    assert result["consistent"]
+    assert result["sent_checksum"] == weights.weights_checksum(model_b.named_parameters(), torch.float32)
+    prompts = [[5, 6, 7, 8], [30, 31]]
+    assert greedy_ids(hf, prompts, max_tokens=8) == [hf_greedy(model_b, p, 8) for p in prompts]
+    # Back to the first model (a later version), so the session's other tests see its weights.
+    push_checkpoint(hf_rollout.address, tiny_model_dir, version=2)
+    info = hf.GetModelInfo(rollout_pb2.GetModelInfoRequest())
+    model_a = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    assert info.weights_checksum == weights.weights_checksum(model_a.named_parameters(), torch.float32)
