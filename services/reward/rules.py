@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import multiprocessing
+import multiprocessing.pool
 import re
 import threading
 
@@ -124,6 +125,8 @@ class RuleRewardSource(RewardSource):
         self.guard_slack_s = guard_slack_s  # added to the per-chunk guard over the per-sample limits
         self.requires_labels = any(r in LABELLED_RULES for r in self.rules)
         self._pool: multiprocessing.pool.Pool | None = None
+        # One chunk per worker at a time, so a chunk's guard clock starts only when a worker takes it.
+        self._slots: asyncio.Semaphore | None = None
 
     def describe(self) -> str:
         return ",".join(self.rules)
@@ -131,6 +134,7 @@ class RuleRewardSource(RewardSource):
     async def start(self) -> None:
         if "math" in self.rules and self._pool is None:
             self._pool = self._new_pool()
+            self._slots = asyncio.Semaphore(self.workers)
 
     def _new_pool(self):
         # spawn: fresh interpreters, never a fork of this threaded (gRPC, torch) process.
@@ -203,25 +207,27 @@ class RuleRewardSource(RewardSource):
         """
         if self._pool is None:
             await self.start()
-        pool = self._pool
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
+        async with self._slots:
+            pool = self._pool
+            loop = asyncio.get_running_loop()
+            future = loop.create_future()
 
-        def settle(ok: bool, value) -> None:
-            if not future.done():
-                (future.set_result if ok else future.set_exception)(value)
+            def settle(ok: bool, value) -> None:
+                if not future.done():
+                    (future.set_result if ok else future.set_exception)(value)
 
-        pool.apply_async(math_check.check_answers, ([(answers[i], batch.labels[i]) for i in idx], self.verify_timeout_s),
-                         callback=lambda r: loop.call_soon_threadsafe(settle, True, r),
-                         error_callback=lambda e: loop.call_soon_threadsafe(settle, False, e))
-        guard_s = self.guard_slack_s + len(idx) * (_CALLS_PER_SAMPLE * self.verify_timeout_s + 1)
-        try:
-            return await asyncio.wait_for(future, guard_s)
-        except TimeoutError:
-            if self._pool is pool:
-                self._pool = self._new_pool()
-                _discard_pool(pool)
-            raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                               f"math-verify did not finish samples {idx[0]}..{idx[-1]} within {guard_s:g} s; "
-                               "its worker processes were restarted; retry the request or lower "
-                               "--math_verify_timeout_s") from None
+            pairs = [(answers[i], batch.labels[i]) for i in idx]
+            pool.apply_async(math_check.check_answers, (pairs, self.verify_timeout_s),
+                             callback=lambda r: loop.call_soon_threadsafe(settle, True, r),
+                             error_callback=lambda e: loop.call_soon_threadsafe(settle, False, e))
+            guard_s = self.guard_slack_s + len(idx) * (_CALLS_PER_SAMPLE * self.verify_timeout_s + 1)
+            try:
+                return await asyncio.wait_for(future, guard_s)
+            except TimeoutError:
+                if self._pool is pool:
+                    self._pool = self._new_pool()
+                    _discard_pool(pool)
+                raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"math-verify did not finish samples {', '.join(map(str, idx))} within "
+                                   f"{guard_s:g} s; its worker processes were restarted; retry the request or lower "
+                                   "--math_verify_timeout_s") from None

@@ -123,7 +123,7 @@ def test_killed_worker_fails_its_chunk_and_the_pool_is_replaced():
     import os
     import signal
 
-    source = RuleRewardSource(["math"], verify_timeout_s=1, workers=1, guard_slack_s=1)
+    source = RuleRewardSource(["math"], verify_timeout_s=1, workers=1, guard_slack_s=3)
 
     async def go():
         before = {p.pid for p in multiprocessing.active_children()}
@@ -146,4 +146,4 @@ def test_killed_worker_fails_its_chunk_and_the_pool_is_replaced():
     err, after = asyncio.run(go())
     assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED and "restarted" in err.message
     assert after.rewards.tolist() == [1.0]
-    assert time.monotonic() - t0 < 20
+    assert time.monotonic() - t0 < 30
