@@ -58,18 +58,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_model(shape: str, out_dir: pathlib.Path) -> pathlib.Path:
+def build_model(shape: str, out_dir: pathlib.Path, seed: int = 0) -> pathlib.Path:
+    """A random-weight model folder (with the shared tiny tokenizer) at out_dir/shape."""
     from services.common.tiny import build_tokenizer, make_tiny_model
 
+    out_dir = pathlib.Path(out_dir)
     if shape in ("tiny", "small"):
-        return make_tiny_model(out_dir / shape, size=shape, seed=0)
+        return make_tiny_model(out_dir / shape, size=shape, seed=seed)
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = build_tokenizer()
     config = Qwen2Config(**QWEN25_05B, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, dtype="bfloat16")
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     path = out_dir / shape
     model.save_pretrained(path, safe_serialization=True)

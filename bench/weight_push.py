@@ -53,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="*", default=["tiny", "100m"], choices=sorted(SHAPES), help="model shapes")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="wire dtype (the engines' dtype)")
-    p.add_argument("--bucket_mb", type=int, default=64, help="largest bucket, MiB (the service's --weight_bucket_mb)")
+    p.add_argument("--bucket_mb", type=int, default=1024, help="largest bucket, MiB (the service's --weight_bucket_mb)")
     p.add_argument("--receivers", type=int, default=1, help="receiver processes (engine workers)")
     p.add_argument("--repeats", type=int, default=5, help="timed pushes per method (after one warm-up each)")
     p.add_argument("--role", default="send", choices=["send", "receive"], help=argparse.SUPPRESS)

@@ -400,10 +400,15 @@ class CoordinatorConfig(ServerConfig):
             if self.vllm_gpu_memory_utilization == 0:
                 self.vllm_gpu_memory_utilization = 0.5 if self.colocate_all_models else 0.9
             return
-        for name in ("flash_attn", "vllm_enable_sleep", "deepspeed_enable_sleep", "adam_offload"):
+        for name in ("flash_attn", "adam_offload"):
             if getattr(self, name):
                 warnings.warn(f"--{name} needs a GPU; ignored on CPU", GpuOnlyFlagWarning, stacklevel=2)
                 setattr(self, name, False)
+        for name in ("vllm_enable_sleep", "deepspeed_enable_sleep"):
+            if getattr(self, name):
+                # Kept: the phases still run one after another as on a GPU, so a CPU run checks the order.
+                warnings.warn(f"--{name} frees no memory on CPU; the step still runs wake -> generate -> sleep -> "
+                              "reload -> train -> offload in order", GpuOnlyFlagWarning, stacklevel=2)
         if self.bf16:
             warnings.warn("--bf16 on CPU: bfloat16 training on CPU is slow; kept as asked",
                           GpuOnlyFlagWarning, stacklevel=2)
@@ -417,10 +422,3 @@ class CoordinatorConfig(ServerConfig):
             warnings.warn(f"--vllm_gpu_memory_utilization {self.vllm_gpu_memory_utilization}: on CPU vLLM reserves "
                           "this fraction of host memory; using 0.1", GpuOnlyFlagWarning, stacklevel=2)
             self.vllm_gpu_memory_utilization = 0.1
-
-    def sync_backend(self) -> str:
-        if self.vllm_sync_backend != "auto":
-            return self.vllm_sync_backend
-        if not self.on_gpu:
-            return "gloo"
-        return "ipc" if self.colocate_all_models else "nccl"

@@ -69,7 +69,7 @@ def rollout_argv(cfg: CoordinatorConfig) -> list[str]:
         argv += ["--dtype", "bfloat16"]
     if cfg.enforce_eager:
         argv.append("--enforce_eager")
-    if cfg.vllm_enable_sleep:
+    if cfg.vllm_enable_sleep and cfg.on_gpu:
         argv.append("--enable_sleep_mode")
     if cfg.vllm_max_num_seqs:
         argv += ["--max_num_seqs", str(cfg.vllm_max_num_seqs)]
@@ -290,9 +290,12 @@ class StaticPlacement:
         if self.cfg.weight_sync_master:
             host, _, port = self.cfg.weight_sync_master.rpartition(":")
             return host, int(port)
+        # A free port can only be picked here when the learner runs on this machine.
         host = endpoints.learner.rpartition(":")[0]
-        if host in ("127.0.0.1", "localhost", "[::1]", socket.gethostname()):
-            return "127.0.0.1" if host != socket.gethostname() else host, free_port()
+        if host in ("127.0.0.1", "localhost"):
+            return "127.0.0.1", free_port()
+        if host in (socket.gethostname(), socket.gethostbyname(socket.gethostname())):
+            return host, free_port(host)
         return None  # the loop asks for --weight_sync_master
 
     async def stop(self) -> None:

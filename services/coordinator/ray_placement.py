@@ -138,7 +138,8 @@ class RayPlacement:
         specs_reward = role_instances(cfg, "reward")
         specs_ref = role_instances(cfg, "ref") if cfg.ref_needed else 0
         learner_spec = lambda ranks: ServiceSpec("learner", "services.learner",  # noqa: E731
-                                                 learner_argv(cfg, self.total_steps, ranks), ("learner",))
+                                                 learner_argv(cfg, self.total_steps, ranks), ("learner",),
+                                                 env={"LOCAL_RANK": "0"})
         rollout_specs = [ServiceSpec(f"rollout-{i}", "services.rollout", rollout_argv(cfg), ("rollout",))
                          for i in range(cfg.vllm_num_engines)]
         # As in the local placement: one process serves both roles on CPU or when everything is colocated.

@@ -31,7 +31,7 @@ from rlmesh.learner.v1 import learner_pb2, learner_pb2_grpc
 from rlmesh.rollout.v1 import rollout_pb2
 from services.common.client import make_channel
 from services.common.log import get_logger, log_event
-from services.common.tensors import ragged_from_proto, ragged_to_proto, to_proto
+from services.common.tensors import from_proto, ragged_from_proto, ragged_to_proto, to_proto
 from services.coordinator import metrics as prom
 from services.coordinator.advantages import (compute_advantages, keep_group, length_mask, overlong_penalty,
                                              pad_right, update_kl_coef)
@@ -103,8 +103,9 @@ class Trainer:
         self.weights_dtype = common_pb2.DTYPE_FLOAT32
         self.engine_tp: list[int] = []
         self.learner_info: learner_pb2.GetInfoResponse | None = None
-        self.sleeping = False
+        self.sleeping = False  # rollout engines asleep (--vllm_enable_sleep)
         self._sleep_supported = cfg.vllm_enable_sleep
+        self.learner_offloaded = False  # learner states in host memory (--deepspeed_enable_sleep)
 
     async def close(self) -> None:
         closers = [self.pool.close(), self.learner_channel.close()]
@@ -133,16 +134,27 @@ class Trainer:
             await self._load_checkpoint()
         self.control.services = self._service_entries()
         await self._init_weight_transfer()
-        # Engines must hold the learner's weights before they generate: after a resume, or when an
-        # engine already served another version (static services reused across runs).
+        # Engines must hold the learner's weights before they generate. A fresh run that started
+        # every service from the same --pretrain folder already has them; otherwise (a resume,
+        # services started elsewhere, an engine that served another version) they are pushed.
         versions = {i.weight_version for i in infos}
         checksums = {i.weights_checksum for i in infos}
-        if resume or versions != {0} or len(checksums) > 1 or self.learner_info.weight_version:
+        if (resume or cfg.placement == "static" or versions != {0} or len(checksums) > 1
+                or self.learner_info.weight_version):
             await self.push_weights()
         else:
             self.state.weight_version = 0
-        if cfg.deepspeed_enable_sleep:
+        await self._offload_learner()
+
+    async def _offload_learner(self) -> None:
+        if self.config.deepspeed_enable_sleep and not self.learner_offloaded:
             await self.learner.Offload(learner_pb2.OffloadRequest(), timeout=120.0)
+            self.learner_offloaded = True
+
+    async def _reload_learner(self) -> None:
+        if self.learner_offloaded:
+            await self.learner.Reload(learner_pb2.ReloadRequest(), timeout=120.0)
+            self.learner_offloaded = False
 
     def _service_entries(self) -> list[ServiceEntry]:
         entries = [ServiceEntry("rollout", e.index, e.address, e.weight_version) for e in self.pool.engines]
@@ -173,8 +185,18 @@ class Trainer:
         log_event(_log, "resume.loaded", step=saved.global_step, episode=saved.episode,
                   position=saved.data_position, path=reply.path)
 
+    def _sync_backend(self) -> str:
+        """--vllm_sync_backend, or what the learner's devices allow: gloo on CPU, nccl (ipc when
+        colocated) on GPUs. The learner knows, also for services this run did not start."""
+        cfg = self.config
+        if cfg.vllm_sync_backend != "auto":
+            return cfg.vllm_sync_backend
+        if self.learner_info.dist_backend != "nccl":
+            return "gloo"
+        return "ipc" if cfg.colocate_all_models else "nccl"
+
     async def _init_weight_transfer(self) -> None:
-        backend = self.config.sync_backend()
+        backend = self._sync_backend()
         world_size = 1 + sum(self.engine_tp)
         group = f"rlmesh-weights-{_step_seed(self.config.seed, int(time.time()), 'group')}"
         if backend == "ipc":
@@ -323,8 +345,6 @@ class Trainer:
                                            max_tokens=cfg.generate_max_len, return_text=True)
 
     def _new_sample(self, prompt, response: rollout_pb2.GenerateResponse) -> Sample:
-        from services.common.tensors import from_proto
-
         ids = from_proto(response.response_token_ids, "response_token_ids").to(torch.int64)
         return Sample(prompt=prompt, index=response.sample_index, response_ids=ids, text=response.text,
                       finish_reason=response.finish_reason, weight_version=response.weight_version)
@@ -371,7 +391,7 @@ class Trainer:
         """Runs global step `step`; returns its metrics, or None when the data is exhausted."""
         cfg = self.config
         times: dict[str, float] = {}
-        t_step = time.monotonic()
+        t_step, cpu_step = time.monotonic(), time.process_time()
         keep = None
         if cfg.dynamic_filtering:
             low, high = cfg.dynamic_filtering_reward_range
@@ -395,8 +415,7 @@ class Trainer:
             # ---- wait for the remaining scores and log-probs ----
             self.control.set_phase(cpb.PHASE_SCORING)
             t0 = time.monotonic()
-            if cfg.deepspeed_enable_sleep:
-                await self.learner.Reload(learner_pb2.ReloadRequest(), timeout=120.0)
+            await self._reload_learner()
             await collector.finish()
             times["score"] = time.monotonic() - t0
         except BaseException:
@@ -418,8 +437,6 @@ class Trainer:
         self.control.set_phase(cpb.PHASE_PUSHING_WEIGHTS)
         t0 = time.monotonic()
         push_metrics = await self.push_weights() if batch["count"] else {}
-        if cfg.deepspeed_enable_sleep:
-            await self.learner.Offload(learner_pb2.OffloadRequest(), timeout=120.0)
         times["push"] = time.monotonic() - t0
         # ---- bookkeeping ----
         self.state.global_step = step
@@ -427,6 +444,9 @@ class Trainer:
         self.state.prompts_consumed += gen["prompts_consumed"]
         self.state.samples_trained += batch["count"]
         step_s = time.monotonic() - t_step
+        # CPU the coordinator itself used during the step (all its threads): its real cost on a
+        # machine it shares with the services, whichever phase it falls in.
+        times["coordinator_cpu"] = time.process_time() - cpu_step
         return self._step_metrics(step, collector, samples, batch, gen, train_metrics, push_metrics, times, step_s)
 
     async def _sleep_rollout(self) -> None:
@@ -549,9 +569,11 @@ class Trainer:
         m.update(push_metrics)
         for phase, seconds in times.items():
             m[f"time/{phase}_s"] = seconds
-            prom.PHASE_SECONDS.labels(phase).observe(seconds)
+            if phase != "coordinator_cpu":
+                prom.PHASE_SECONDS.labels(phase).observe(seconds)
         m["time/step_s"] = step_s
-        m["time/overhead_s"] = max(step_s - sum(v for k, v in times.items() if k != "advantages"), 0.0)
+        # Wall time outside generate, score, train and push (advantages and bookkeeping included).
+        m["time/overhead_s"] = max(step_s - sum(times[k] for k in ("generate", "score", "train", "push")), 0.0)
         m["time/overhead_ratio"] = m["time/overhead_s"] / step_s if step_s > 0 else 0.0
         m["throughput/samples_per_s"] = len(all_samples) / step_s
         m["throughput/tokens_per_s"] = tokens / step_s
@@ -572,6 +594,7 @@ class Trainer:
         cfg = self.config
         t0 = time.monotonic()
         self.control.set_phase(cpb.PHASE_CHECKPOINTING)
+        await self._reload_learner()
         self.state.config_digest, self.state.config_values = config_digest(cfg)
         reply = await self.learner.SaveCheckpoint(learner_pb2.SaveCheckpointRequest(
             ckpt_path=cfg.ckpt_path, global_step=step, client_state=self.state.to_json().encode(),
@@ -602,6 +625,8 @@ class Trainer:
             saving = (cfg.save_steps > 0 and step % cfg.save_steps == 0) or (c.stop_requested and c.stop_checkpoint)
             if saving and not cfg.disable_ds_ckpt:
                 metrics.update(await self.save_checkpoint(step))
+            # The learner sleeps until the next step's log-probs (after any checkpoint).
+            await self._offload_learner()
             c.set_phase(cpb.PHASE_IDLE)
             if step % cfg.logging_steps == 0 or c.stop_requested:
                 self.metrics.log(step, metrics)
@@ -613,6 +638,7 @@ class Trainer:
                 (cfg.save_steps < 0 or (c.stop_requested and c.stop_checkpoint)):
             await self.save_checkpoint(step)
         if cfg.save_path and step > 0 and not c.stop_requested:
+            await self._reload_learner()
             await self.learner.ExportHF(learner_pb2.ExportHFRequest(output_dir=cfg.save_path), timeout=cfg.rpc_timeout_s)
             log_event(_log, "model.exported", path=cfg.save_path)
 

@@ -9,7 +9,6 @@ the field and the sample, and the ranks only ever get well-formed work.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
@@ -137,17 +136,6 @@ def decode_experience(batch, required: list[str], vocab_size: int, max_len: int)
 # Splitting work over ranks
 
 
-def split_contiguous(n: int, parts: int) -> list[range]:
-    """0..n-1 in `parts` contiguous ranges whose sizes differ by at most one."""
-    base, extra = divmod(n, parts)
-    ranges, start = [], 0
-    for p in range(parts):
-        size = base + (1 if p < extra else 0)
-        ranges.append(range(start, start + size))
-        start += size
-    return ranges
-
-
 @dataclasses.dataclass
 class StepPlan:
     """One optimizer step: this rank's micro-batches and the loss normalizers of the global step."""
@@ -180,9 +168,17 @@ def plan_training(samples: list[Sample], train_batch_size: int, micro_batch_size
     return plans
 
 
-def forward_passes(shares: list[list[Sample]], micro_batch_size: int) -> int:
-    """Forward passes every rank must run so that the rank with the largest share finishes."""
-    return max(math.ceil(len(s) / micro_batch_size) for s in shares)
+def forward_micro_batches(samples: list[Sample], micro_batch_size: int, world_size: int) -> list[list[list[int]]]:
+    """The micro-batches of a forward-only call (LogProbs, Values), as sample indices, per rank.
+
+    Samples are sorted by length, longest first, and cut into micro-batches of micro_batch_size
+    (little padding); micro-batch j goes to rank j % world_size. This is how the reference service
+    batches (services/reward/reference.py), so with the same micro-batch size both form the same
+    padded batches whatever the number of ranks, and their log-probs agree bit for bit.
+    """
+    order = sorted(range(len(samples)), key=lambda i: -samples[i].input_ids.numel())
+    batches = [order[m:m + micro_batch_size] for m in range(0, len(order), micro_batch_size)]
+    return [batches[rank::world_size] for rank in range(world_size)]
 
 
 # ----------------------------------------------------------------------------------------------

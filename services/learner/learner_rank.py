@@ -62,7 +62,6 @@ class LearnerRank:
         self.critic = None
         self.vocab_size = 0
         self.max_len = 0
-        self.pad_id = 0
         self.offloaded = False
         self.weight_version = 0
         self.sender = WeightSender(spec.rank, self.device)
@@ -81,7 +80,6 @@ class LearnerRank:
         self._keepalive.append(keep)
         self.vocab_size = model.config.vocab_size
         self.max_len = cfg.max_len or int(getattr(model.config, "max_position_embeddings", 1 << 30))
-        self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         self.actor = build_engine(model, cfg, ds_config, cfg.actor_learning_rate)
         if cfg.critic_pretrain:
             critic, keep = load_pretrained(cfg.critic_pretrain, cfg, ds_config, "critic")
@@ -137,20 +135,19 @@ class LearnerRank:
     # ------------------------------------------------------------------------------------------
     # Forward passes
 
-    def _forward_passes(self, samples: list[Sample], passes: int):
-        """Yields (chunk, is_filler) for `passes` micro-batches of this rank's samples."""
-        size = self.config.micro_forward_batch_size
+    @staticmethod
+    def _forward_passes(micro_batches: list[list[Sample]], passes: int):
+        """Yields (samples, is_filler) for `passes` forward passes over this rank's micro-batches."""
         for p in range(passes):
-            chunk = samples[p * size:(p + 1) * size]
-            yield (chunk, False) if chunk else ([_FILLER], True)
+            yield (micro_batches[p], False) if p < len(micro_batches) else ([_FILLER], True)
 
     @torch.no_grad()
     def logprobs(self, payload: dict) -> list[torch.Tensor]:
         """Per sample: (response_len,) float32 log-probs under the actor (sequence_logprobs)."""
         self.actor.eval()
         out: list[torch.Tensor] = []
-        for chunk, filler in self._forward_passes(payload["samples"], payload["passes"]):
-            mb = collate(chunk, pad_id=self.pad_id).to(self.device)
+        for chunk, filler in self._forward_passes(payload["micro_batches"], payload["passes"]):
+            mb = collate(chunk).to(self.device)
             lp = sequence_logprobs(self.actor, mb.input_ids, mb.attention_mask, payload["temperature"])
             if not filler:
                 out += ragged_rows(lp.reshape(-1)[mb.out_index].cpu(), chunk)
@@ -161,8 +158,8 @@ class LearnerRank:
         """Per sample: (response_len,) float32 critic values (value of the state before each token)."""
         self.critic.eval()
         out: list[torch.Tensor] = []
-        for chunk, filler in self._forward_passes(payload["samples"], payload["passes"]):
-            mb = collate(chunk, pad_id=self.pad_id).to(self.device)
+        for chunk, filler in self._forward_passes(payload["micro_batches"], payload["passes"]):
+            mb = collate(chunk).to(self.device)
             values = self._critic_values(mb)
             if not filler:
                 out += ragged_rows(values.cpu(), chunk)
@@ -191,7 +188,7 @@ class LearnerRank:
     # Training
 
     def _train(self, engine, steps: list[StepPlan], micro_loss: Callable) -> dict:
-        """Runs the optimizer steps of this rank's plan; micro_loss(mb, normalizer) -> (loss, stats).
+        """Runs the optimizer steps of this rank's plan; micro_loss(mb, step) -> (loss, stats).
 
         The loss of a micro-batch is its share of the global mini-batch loss (the normalizer counts
         tokens or sequences over all micro-batches and ranks); DeepSpeed divides by the gradient
@@ -208,7 +205,7 @@ class LearnerRank:
             sums: dict[str, float] = {}
             for micro in step.micro_batches:
                 t0 = time.perf_counter()
-                mb = collate(micro, packed=self.config.packing_samples, pad_id=self.pad_id).to(self.device)
+                mb = collate(micro, packed=self.config.packing_samples).to(self.device)
                 loss, stats = micro_loss(mb, step)
                 t1 = time.perf_counter()
                 engine.backward(loss * (gas * world))
@@ -245,17 +242,17 @@ class LearnerRank:
                                       level=level, normalizer=normalizer)
             loss = out.loss
             tokens = float(mask.sum())
-            stats = {"policy_loss": float(out.loss), "clip_ratio": float(out.clip_ratio) * tokens,
+            stats = {"policy_loss": float(out.loss.detach()), "clip_ratio": float(out.clip_ratio) * tokens,
                      "ppo_kl": float(out.ppo_kl) * tokens, "tokens": tokens}
             if kl_coef > 0:
                 kl = rl_math.kl_loss(logp, mb.fields["ref_logprobs"], mask, loss_cfg["kl_estimator"], level,
                                      normalizer)
                 loss = loss + kl_coef * kl
-                stats["kl_loss"] = float(kl)
+                stats["kl_loss"] = float(kl.detach())
             if entropy_coef != 0:
                 ent = rl_math.aggregate_loss(entropy, mask, level, normalizer)
                 loss = loss - entropy_coef * ent
-                stats["entropy"] = float(ent)
+                stats["entropy"] = float(ent.detach())
             return loss, stats
 
         return self._train(self.actor, payload["steps"], micro_loss)
@@ -270,7 +267,7 @@ class LearnerRank:
             old_values = mb.fields.get("old_values", values.detach())
             loss = rl_math.value_loss(values, old_values, mb.fields["returns"], mask, value_clip, level, normalizer)
             tokens = float(mask.sum())
-            stats = {"value_loss": float(loss), "tokens": tokens,
+            stats = {"value_loss": float(loss.detach()), "tokens": tokens,
                      "values": float(rl_math.masked_sum(values.detach(), mask))}
             if value_clip is not None:
                 moved = (values.detach() - old_values).abs() > value_clip

@@ -19,7 +19,7 @@ from services.common.errors import ServiceError, failed_precondition, handle_err
 from services.common.log import get_logger, log_event
 from services.common.tensors import ragged_to_proto
 from services.learner import checkpoint
-from services.learner.batches import decode_experience, decode_sequences, forward_passes, plan_training, split_contiguous
+from services.learner.batches import decode_experience, decode_sequences, forward_micro_batches, plan_training
 from services.learner.config import LearnerConfig
 from services.learner.learner_rank import LearnerRank
 from services.learner.spmd import GroupError, RankGroupDriver
@@ -165,27 +165,33 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
     # ------------------------------------------------------------------------------------------
     # Forward passes
 
-    def _forward_payloads(self, request, temperature: float | None) -> tuple[list, list[range]]:
+    def _forward_payloads(self, request, temperature: float | None) -> tuple[list, list, int]:
+        """Per rank: its micro-batches of the request's samples; and where each result row belongs."""
         samples = decode_sequences(request.input_ids, request.response_start, self.rank0.vocab_size,
                                    self.rank0.max_len)
-        ranges = split_contiguous(len(samples), self.world)
-        shares = [samples[r.start:r.stop] for r in ranges]
-        micro = self.config.micro_forward_batch_size
-        equal = forward_passes(shares, micro)
-        payloads = []
-        for share in shares:
-            # ZeRO-3 gathers parameters collectively in every forward: all ranks run as many passes.
-            passes = equal if self.config.zero_stage == 3 else math.ceil(len(share) / micro)
-            payloads.append({"samples": share, "passes": passes, "temperature": temperature})
-        return payloads, ranges
+        layout = forward_micro_batches(samples, self.config.micro_forward_batch_size, self.world)
+        most = max(len(batches) for batches in layout)
+        payloads = [{"micro_batches": [[samples[i] for i in mb] for mb in batches],
+                     # ZeRO-3 gathers parameters collectively in every forward: all ranks run as many.
+                     "passes": most if self.config.zero_stage == 3 else len(batches),
+                     "temperature": temperature} for batches in layout]
+        return payloads, layout, len(samples)
+
+    @staticmethod
+    def _in_request_order(results: list, layout: list, count: int) -> list:
+        rows: list = [None] * count
+        for rank_rows, batches in zip(results, layout):
+            indices = [i for mb in batches for i in mb]
+            for i, row in zip(indices, rank_rows):
+                rows[i] = row
+        return rows
 
     @handle_errors
     async def LogProbs(self, request, context):
         with self._timed("LogProbs"):
             temperature = _temperature("temperature", request.temperature)
-            payloads, _ = self._forward_payloads(request, temperature)
-            results = await self._run("logprobs", payloads)
-            rows = [row for result in results for row in result]
+            payloads, layout, count = self._forward_payloads(request, temperature)
+            rows = self._in_request_order(await self._run("logprobs", payloads), layout, count)
             return learner_pb2.LogProbsResponse(logprobs=ragged_to_proto(rows, dtype=torch.float32),
                                                 actor_global_step=int(self.rank0.actor.global_steps))
 
@@ -193,9 +199,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
     async def Values(self, request, context):
         with self._timed("Values"):
             self._require_critic("Values")
-            payloads, _ = self._forward_payloads(request, None)
-            results = await self._run("values", payloads)
-            rows = [row for result in results for row in result]
+            payloads, layout, count = self._forward_payloads(request, None)
+            rows = self._in_request_order(await self._run("values", payloads), layout, count)
             return learner_pb2.ValuesResponse(values=ragged_to_proto(rows, dtype=torch.float32),
                                               critic_global_step=int(self.rank0.critic.global_steps))
 
@@ -215,7 +220,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         eps_high = _finite("loss.eps_clip_high", loss.eps_clip_high, 0.0) if loss.HasField("eps_clip_high") else eps_low
         dual_clip = _finite("loss.dual_clip", loss.dual_clip, 0.0) or None
         if dual_clip is not None and dual_clip <= 1.0:
-            raise invalid_argument("loss.dual_clip", None, f"{dual_clip} must be > 1", "send e.g. 3, or 0 to disable it")
+            raise invalid_argument("loss.dual_clip", None, f"{dual_clip} must be > 1",
+                                   "send e.g. 3, or 0 to disable it")
         if loss.policy_loss_type not in (learner_pb2.POLICY_LOSS_TYPE_UNSPECIFIED, learner_pb2.POLICY_LOSS_TYPE_PPO,
                                          learner_pb2.POLICY_LOSS_TYPE_GSPO):
             raise invalid_argument("loss.policy_loss_type", None, f"unknown value {loss.policy_loss_type}",
@@ -323,7 +329,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             timeout_s = _finite("timeout_s", request.timeout_s, 0.0) or 600.0
             if backend != "ipc":
                 if not request.master_address:
-                    raise invalid_argument("master_address", None, "is empty", "send rank 0's host (GetInfo.rank0_host)")
+                    raise invalid_argument("master_address", None, "is empty",
+                                           "send rank 0's host (GetInfo.rank0_host)")
                 if not 0 < request.master_port < 65536:
                     raise invalid_argument("master_port", None, f"{request.master_port} is not a port",
                                            "send a free port on rank 0's host")
@@ -361,6 +368,9 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             if not self.weight_backend:
                 raise failed_precondition("no weight transfer set up: call InitWeightTransfer (with the engines) first")
             backend = self.weight_backend
+            if backend != "ipc" and self.rank0.sender.group is None:
+                raise failed_precondition("the weight group broke in an earlier push; call InitWeightTransfer on the "
+                                          "learner and the engines again")
             bucket_bytes = start.bucket_bytes or self.config.weight_bucket_mb * 1024 * 1024
             per_chunk = start.buckets_per_chunk or (1 if backend == "ipc" else 0)
             chunks = plan_chunks(self.rank0.actor.module, wire, bucket_bytes, per_chunk)

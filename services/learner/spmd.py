@@ -15,9 +15,11 @@ The control group is a gloo group of its own (also on GPU), separate from the gr
 uses. Statuses go through the store so that rank 0 sees a failure on any rank as soon as it
 happens, even while other ranks sit in a collective waiting for the failed one: the call fails
 at once with that rank's error instead of waiting for a timeout. Such a failure can leave the
-ranks out of step (some inside a collective, some not), so unless every rank raised a deliberate
-ServiceError the group is declared broken: the learner stops serving and exits, and the
-coordinator restarts it and loads the last checkpoint. Every rank also bumps a heartbeat counter
+ranks out of step (some inside a collective, some not), so the group is declared broken: the
+learner stops serving and exits (code 3), and the coordinator restarts it and loads the last
+checkpoint. The exception is a deliberate ServiceError (bad input found on a rank, a weight push
+to a vanished engine): those are raised where no other rank waits, so once every rank has
+finished the call fails with that status and the learner serves on. Every rank also bumps a heartbeat counter
 in the store; a rank whose counter stops moving is declared dead, and a worker whose store
 connection breaks (rank 0 gone) exits, so no rank outlives the service or hangs it.
 """
@@ -286,6 +288,7 @@ class RankGroupDriver:
         self.broken: GroupError | None = None
         self._lock = asyncio.Lock()
         self._heartbeats: dict[int, tuple[int, float]] = {}
+        self._last_heartbeat_check = 0.0
 
     @property
     def world_size(self) -> int:
@@ -334,57 +337,51 @@ class RankGroupDriver:
                        timeout_s: float | None = None) -> list:
         loop = asyncio.get_running_loop()
         started = time.monotonic()
-        statuses: dict[int, tuple] = {}
+        statuses: dict[int, tuple] = {}  # rank -> ("ok", result bytes) | ("error", RankFailure)
         pending = set(range(1, self.world_size))
-        own_result = None
         delay = 0.001
-        while pending or not own.done():
+        while True:
             for rank in sorted(pending):
                 key = f"status/{seq}/{rank}"
                 if self.store.check([key]):
                     statuses[rank] = pickle.loads(self.store.get(key))
                     self.store.delete_key(key)
                     pending.discard(rank)
+            finished = own.done() and not pending
             failures = [s[1] for s in statuses.values() if s[0] == "error"]
-            if own.done():
-                own_status = own.result()
-                if own_status[0] == "error":
-                    failures.append(own_status[1])
+            if own.done() and own.result()[0] == "error":
+                failures.append(own.result()[1])
             unexpected = [f for f in failures if not f.code]
-            if unexpected and (pending or not own.done()):
+            if unexpected and not finished:
                 # A rank failed while others are still running (maybe waiting for it in a
                 # collective): answer now; the group cannot be trusted any more. A deliberate
                 # ServiceError is raised before a command's first collective, so for those the
                 # other ranks are awaited: they finish, or hit the same check.
                 raise self._fail(min(unexpected, key=lambda f: f.rank), fatal=True)
+            if finished:
+                break
             dead = self._dead_rank(pending, startup, started)
             if dead is not None:
                 raise self._fail(dead, fatal=True)
             if timeout_s is not None and time.monotonic() - started > timeout_s:
                 raise self._fail(RankFailure(-1, "TimeoutError", f"{name} did not finish on every rank within "
                                              f"{timeout_s:.0f} s", ""), fatal=True)
-            if pending or not own.done():
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.02)
-        own_status = own.result()
-        failures = [s[1] for s in statuses.values() if s[0] == "error"]
-        if own_status[0] == "error":
-            failures.append(own_status[1])
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.02)
+        # Ranks that succeeded are sending their results; take them even when another rank failed,
+        # or those ranks would still be sending when the next command comes.
+        sizes = {rank: s[1] for rank, s in statuses.items() if s[0] == "ok"}
+        received = {} if startup or not sizes else await loop.run_in_executor(self.io, self._recv_results, seq, sizes)
         if failures:
-            # A deliberate ServiceError raised on every rank leaves them in step (they all stopped
-            # at the same check); anything else may not.
-            uniform = len(failures) == self.world_size and all(f.code for f in failures)
-            raise self._fail(min(failures, key=lambda f: f.rank), fatal=not uniform or startup)
-        results = [own_status[1]]
-        if self.world_size > 1 and not startup:
-            sizes = {rank: statuses[rank][1] for rank in range(1, self.world_size)}
-            results += await loop.run_in_executor(self.io, self._recv_results, seq, sizes)
-        elif startup:
-            results += [None] * (self.world_size - 1)
-        return results
+            # Every rank finished. Deliberate ServiceErrors are raised where no rank of the group is
+            # left waiting (before a command's collectives, or about another group), so the ranks
+            # are still in step; after anything else they may not be.
+            deliberate = all(f.code for f in failures)
+            raise self._fail(min(failures, key=lambda f: f.rank), fatal=not deliberate or startup)
+        return [own.result()[1], *(received.get(rank) for rank in range(1, self.world_size))]
 
-    def _recv_results(self, seq: int, sizes: dict[int, int]) -> list:
-        return [pickle.loads(_recv_bytes(rank, self.group, tag=seq)) for rank in sorted(sizes)]
+    def _recv_results(self, seq: int, sizes: dict[int, int]) -> dict:
+        return {rank: pickle.loads(_recv_bytes(rank, self.group, tag=seq)) for rank in sorted(sizes)}
 
     def _dead_rank(self, pending: set[int], startup: bool, started: float) -> RankFailure | None:
         """A pending rank whose process exited or whose heartbeat stopped, if any."""
@@ -393,6 +390,9 @@ class RankGroupDriver:
             if code is not None:
                 return RankFailure(index + 1, "RankExited", f"the rank's process exited with code {code}", "")
         now = time.monotonic()
+        if now - self._last_heartbeat_check < HEARTBEAT_INTERVAL_S / 2:
+            return None
+        self._last_heartbeat_check = now
         for rank in pending:
             count = self.store.add(f"hb/{rank}", 0)
             last_count, last_change = self._heartbeats.get(rank, (0, started))
@@ -419,13 +419,17 @@ class RankGroupDriver:
         """Stops the worker ranks (a shutdown command; then terminate / kill local ones)."""
         if self.broken is None and self.group is not None and self.world_size > 1:
             try:
-                async with self._lock:
-                    self.seq += 1
-                    await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
-                        self.io, self._send_commands, self.seq, SHUTDOWN, [None] * self.world_size), timeout_s)
+                # Bounded: a command still running (e.g. cut short by the grace period) holds the lock.
+                await asyncio.wait_for(self._send_shutdown(), timeout_s)
             except Exception as exc:  # noqa: BLE001 - fall through to terminating the processes
-                log_event(log, "ranks.shutdown_failed", error=str(exc)[:200], level=30)
+                log_event(log, "ranks.shutdown_failed", error=str(exc)[:200] or type(exc).__name__, level=30)
         stop_processes(self.procs, timeout_s)
+
+    async def _send_shutdown(self) -> None:
+        async with self._lock:
+            self.seq += 1
+            await asyncio.get_running_loop().run_in_executor(
+                self.io, self._send_commands, self.seq, SHUTDOWN, [None] * self.world_size)
 
 
 def stop_processes(procs: list[subprocess.Popen], timeout_s: float) -> None:

@@ -15,9 +15,11 @@ import concurrent.futures
 import contextlib
 import dataclasses
 
+import grpc
 import torch
 
 from services.common import weights
+from services.common.errors import ServiceError, failed_precondition
 from rlmesh.rollout.v1 import rollout_pb2
 
 
@@ -81,36 +83,52 @@ class WeightSender:
         Returns (name -> DigestEntry of what rank 0 sent, serialized IpcBucket messages of this rank).
         gloo / nccl: bucket b is broadcast from a helper thread while this one digests it and then
         gathers and packs bucket b + 1, so packing, hashing and sending overlap (two buffers live).
+        If a broadcast fails (an engine went away), rank 0 stops sending but keeps taking part in
+        the gathers, so the learner's ranks stay in step, and raises UNAVAILABLE at the end.
         """
         if not self.backend:
-            raise RuntimeError("no weight transfer set up: call InitWeightTransfer first")
+            raise failed_precondition("no weight transfer set up: call InitWeightTransfer first")
         self.release()
         by_name = dict(module.named_parameters())
         entries: dict[str, weights.DigestEntry] = {}
         ipc: list[bytes] = []
         in_flight: concurrent.futures.Future | None = None
-        try:
-            for bucket, members in enumerate(weights.bucket_members(chunk.slots, len(chunk.bucket_sizes))):
-                size = chunk.bucket_sizes[bucket]
-                with _gathered([by_name[s.name] for s in members], zero3):
-                    tensors = {s.name: by_name[s.name].data for s in members}
-                    if self.backend == "ipc":
-                        buffer = weights.pack_bucket(tensors, members, size, self.device)
-                        self._ipc_buffers.append(buffer)
-                        ipc.append(weights.share_bucket_ipc(buffer, bucket).SerializeToString())
-                    elif self.rank == 0:
-                        buffer = weights.pack_bucket(tensors, members, size, self.group.device)
-                if self.rank != 0:
-                    continue
-                if self.backend != "ipc":
-                    if in_flight is not None:
-                        in_flight.result()  # buckets go out in index order, one at a time
-                    in_flight = self._sending.submit(self.group.broadcast_from_learner, buffer)
-                digests = weights.bucket_digests(buffer, members)
-                entries.update({s.name: weights.DigestEntry(s.dtype, s.shape, digests[s.name]) for s in members})
-        finally:
+        send_error: Exception | None = None
+
+        def settle() -> None:
+            nonlocal in_flight, send_error
             if in_flight is not None:
-                in_flight.result()
+                try:
+                    in_flight.result()
+                except Exception as exc:  # noqa: BLE001 - reported once every bucket was gathered
+                    send_error = send_error or exc
+                in_flight = None
+
+        for bucket, members in enumerate(weights.bucket_members(chunk.slots, len(chunk.bucket_sizes))):
+            size = chunk.bucket_sizes[bucket]
+            with _gathered([by_name[s.name] for s in members], zero3):
+                tensors = {s.name: by_name[s.name].data for s in members}
+                if self.backend == "ipc":
+                    buffer = weights.pack_bucket(tensors, members, size, self.device)
+                    self._ipc_buffers.append(buffer)
+                    ipc.append(weights.share_bucket_ipc(buffer, bucket).SerializeToString())
+                elif self.rank == 0 and send_error is None:
+                    buffer = weights.pack_bucket(tensors, members, size, self.group.device)
+            if self.rank != 0 or send_error is not None:
+                continue
+            if self.backend != "ipc":
+                settle()  # buckets go out in index order, one at a time
+                if send_error is not None:
+                    continue
+                in_flight = self._sending.submit(self.group.broadcast_from_learner, buffer)
+            digests = weights.bucket_digests(buffer, members)
+            entries.update({s.name: weights.DigestEntry(s.dtype, s.shape, digests[s.name]) for s in members})
+        settle()
+        if send_error is not None:
+            self.group = None
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               f"broadcasting the weights to the engines failed: {send_error}; call "
+                               "InitWeightTransfer on the learner and the engines again, then push")
         return entries, ipc
 
 

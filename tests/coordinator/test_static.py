@@ -1,6 +1,7 @@
 """Static placement against services this test starts (as a deployment would), sharing them across
-runs: GRPO with checkpoints and the control API (GetStatus, StreamMetrics, Pause, Resume), then a
-resume from an earlier checkpoint that reproduces the uninterrupted run's next step, ended by Stop.
+runs: GRPO (with DAPO dynamic filtering and the overlong penalty) with checkpoints, the control API
+(GetStatus, StreamMetrics, Pause, Resume) and the Prometheus endpoint, then a resume from an
+earlier checkpoint that reproduces the uninterrupted run's next step, ended by Stop.
 
 Rewards: the math rule plus the format rule with a pattern that about half of the random tiny
 model's responses match, so the policy has something to learn and the weights change every step.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
+import urllib.request
 
 import pytest
 
@@ -20,12 +22,14 @@ from services.coordinator.launcher import spawn_service, stop_all, wait_until_re
 from tests.coordinator.conftest import (control_stub, finish, read_metrics, service_env, start_coordinator,
                                         wait_for_file)
 
-# What the resumed step must reproduce, and how closely: the same prompts and generation seeds on
-# the same weights give the same samples, the learner restores its state exactly, so every metric
-# of the step agrees up to float32 round-off of batched CPU kernels.
-COMPARED = ("reward/mean", "reward/std", "response_length/mean", "kl/mean", "actor/policy_loss", "actor/kl_loss",
-            "actor/grad_norm", "advantages/abs_mean")
-RTOL, ATOL = 1e-3, 1e-5
+# What the resumed step must reproduce. Everything the coordinator computes is exact: the same
+# prompts and generation seeds on the same weights give the same samples, hence the same rewards,
+# log-probs, KL and advantages (compared to 1e-6). The learner's own metrics of that step are
+# compared within 10%: with responses of different lengths its training is not bit-reproducible
+# run to run (seen: grad_norm 1.490 / 1.502 / 1.395 for one and the same batch in three runs).
+EXACT = ("reward/mean", "reward/std", "response_length/mean", "kl/mean", "advantages/abs_mean", "advantages/mean")
+LEARNER = ("actor/policy_loss", "actor/kl_loss", "actor/grad_norm")
+EXACT_TOL, LEARNER_RTOL = 1e-6, 0.10
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +71,9 @@ def coordinator_argv(services, model, data, tmp_path, *extra) -> list[str]:
             "--generate_max_len", "16", "--prompt_max_len", "64", "--init_kl_coef", "0.01", "--use_kl_loss",
             "--kl_estimator", "k3", "--ckpt_path", str(tmp_path / "ckpt"), "--run_dir", str(tmp_path / "run"),
             "--save_path", "", "--save_steps", "1", "--port", "0", "--ready_file", str(tmp_path / "control.json"),
-            *extra]
+            # DAPO: groups whose samples all score the same are dropped and refilled; long answers pay.
+            "--dynamic_filtering", "--dynamic_filtering_reward_range", "0", "1",
+            "--overlong_buffer_len", "4", "--overlong_penalty_factor", "0.5", *extra]
 
 
 def wait_state(stub, state: int, timeout_s: float = 120.0) -> pb.GetStatusResponse:
@@ -89,6 +95,9 @@ def test_static_grpo_control_api_and_resume(services, tiny_model_dir, tiny_data_
         stream = stub.StreamMetrics(pb.StreamMetricsRequest(since_step=0), timeout=300)
         first = next(stream)
         assert first.global_step == 1 and "reward/mean" in first.metrics
+        prometheus = urllib.request.urlopen(f"http://127.0.0.1:{info['metrics_port']}/metrics", timeout=10).read()
+        assert b"rlmesh_coordinator_reward_mean" in prometheus
+        assert b'rlmesh_coordinator_phase_duration_seconds_count{phase="generate"}' in prometheus
         # Pause takes effect between steps; Resume continues.
         stub.Pause(pb.PauseRequest(), timeout=10)
         paused = wait_state(stub, pb.RUN_STATE_PAUSED)
@@ -108,6 +117,10 @@ def test_static_grpo_control_api_and_resume(services, tiny_model_dir, tiny_data_
     assert [r["global_step"] for r in run_a] == [1, 2, 3]
     assert [r["weights/version"] for r in run_a] == sorted({r["weights/version"] for r in run_a})
     assert any(r["actor/grad_norm"] > 0 for r in run_a), "the policy never got a gradient"
+    for r in run_a:
+        # Filtering kept exactly rollout_batch_size mixed groups (refilling when needed).
+        assert r["filter/kept_groups"] >= 8 and r["samples/trained"] == 32
+        assert r["reward/overlong_penalty"] < 0
     assert checkpoint.latest_step(tmp_path / "ckpt") == 3
 
     # As if the run had died right after step 2's checkpoint: `latest` names step 2.
@@ -132,5 +145,7 @@ def test_static_grpo_control_api_and_resume(services, tiny_model_dir, tiny_data_
     assert "resume.loaded step=2" in output
     assert checkpoint.latest_step(tmp_path / "ckpt") == reply.final_step
     expected = run_a[2]
-    for key in COMPARED:
-        assert resumed.metrics[key] == pytest.approx(expected[key], rel=RTOL, abs=ATOL), key
+    for key in EXACT:
+        assert resumed.metrics[key] == pytest.approx(expected[key], rel=EXACT_TOL, abs=EXACT_TOL), key
+    for key in LEARNER:
+        assert resumed.metrics[key] == pytest.approx(expected[key], rel=LEARNER_RTOL), key

@@ -23,14 +23,15 @@ from rlmesh.learner.v1 import learner_pb2_grpc as pbg
 from rlmesh.rollout.v1 import rollout_pb2
 from services.common.logprobs import sequence_logprobs
 from services.common.tensors import ragged_from_proto, ragged_to_proto, to_proto
-from services.learner.batches import split_contiguous
+from services.learner.batches import Sample, forward_micro_batches
 from tests.conftest import get_free_port
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 class LearnerProcess:
-    """A learner service started as `python -m services.learner` (rank 0 starts the other ranks)."""
+    """A service started as `python -m services.<name>` (the learner's rank 0 starts its other ranks);
+    `stub` talks to the learner API."""
 
     def __init__(self, popen: subprocess.Popen, info: dict, log: pathlib.Path):
         self.popen, self.info, self.log = popen, info, log
@@ -58,22 +59,30 @@ class LearnerProcess:
                 self.popen.wait(10)
 
 
-def start_learner(tmp: pathlib.Path, *args: str, timeout_s: float = 420.0) -> LearnerProcess:
-    ready = tmp / f"learner-{time.monotonic_ns()}.json"
+def _start_service(tmp: pathlib.Path, module: str, args: tuple[str, ...], timeout_s: float) -> LearnerProcess:
+    ready = tmp / f"{module.rsplit('.', 1)[-1]}-{time.monotonic_ns()}.json"
     log = ready.with_suffix(".log")
     with log.open("w") as out:
         popen = subprocess.Popen(
-            [sys.executable, "-m", "services.learner", "--host", "127.0.0.1", "--grace_period_s", "5",
-             "--ready_file", str(ready), *args],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            [sys.executable, "-m", module, "--host", "127.0.0.1", "--grace_period_s", "5", "--ready_file", str(ready),
+             *args], cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + timeout_s
     while not ready.exists():
         if popen.poll() is not None or time.monotonic() > deadline:
             popen.kill()
             popen.wait(10)
-            raise RuntimeError(f"the learner did not start:\n{log.read_text()[-6000:]}")
+            raise RuntimeError(f"{module} did not start:\n{log.read_text()[-6000:]}")
         time.sleep(0.1)
     return LearnerProcess(popen, json.loads(ready.read_text()), log)
+
+
+def start_learner(tmp: pathlib.Path, *args: str, timeout_s: float = 420.0) -> LearnerProcess:
+    return _start_service(tmp, "services.learner", args, timeout_s)
+
+
+def start_rollout(tmp: pathlib.Path, model_dir, timeout_s: float = 300.0) -> LearnerProcess:
+    """The rollout service with its transformers engine (the learner tests only push weights into it)."""
+    return _start_service(tmp, "services.rollout", ("--pretrain", str(model_dir), "--engine", "hf"), timeout_s)
 
 
 def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
@@ -138,25 +147,23 @@ def signed_advantages(seqs, starts) -> list[torch.Tensor]:
 # References
 
 
-def reference_logprobs(model, seqs, starts, world: int, micro: int, pad_id: int,
-                       temperature: float = 1.0) -> list[torch.Tensor]:
-    """What the learner must return: sequence_logprobs on the same micro-batches it forms (samples
-    split contiguously over the ranks, micro at a time, right-padded)."""
-    out = []
+def reference_logprobs(model, seqs, starts, world: int, micro: int, temperature: float = 1.0) -> list[torch.Tensor]:
+    """What the learner must return: sequence_logprobs of a plain transformers model on the padded
+    micro-batches the learner forms (forward_micro_batches: longest first, right-padded with 0)."""
+    samples = [Sample(s, int(st), {}) for s, st in zip(seqs, starts)]
+    out: list = [None] * len(seqs)
     with torch.no_grad():
-        for r in split_contiguous(len(seqs), world):
-            for m in range(r.start, r.stop, micro):
-                chunk = list(range(m, min(m + micro, r.stop)))
+        for batches in forward_micro_batches(samples, micro, world):
+            for chunk in batches:
                 T = max(len(seqs[i]) for i in chunk)
-                ids = torch.full((len(chunk), T), pad_id, dtype=torch.int64)
+                ids = torch.zeros(len(chunk), T, dtype=torch.int64)
                 mask = torch.zeros(len(chunk), T, dtype=torch.int64)
                 for row, i in enumerate(chunk):
                     ids[row, :len(seqs[i])] = seqs[i]
                     mask[row, :len(seqs[i])] = 1
-                lp = sequence_logprobs(model, ids, mask, temperature)
+                lp = sequence_logprobs(model, ids.to(model.device), mask.to(model.device), temperature).cpu()
                 for row, i in enumerate(chunk):
-                    st = int(starts[i])
-                    out.append(lp[row, st - 1:len(seqs[i]) - 1])
+                    out[i] = lp[row, int(starts[i]) - 1:len(seqs[i]) - 1]
     return out
 
 
@@ -173,12 +180,13 @@ def export_weights(stub, folder: pathlib.Path) -> dict[str, torch.Tensor]:
 class WeightListener:
     """tests/learner/weight_listener.py as a process: one receiver rank of the weight group."""
 
-    def __init__(self, tmp: pathlib.Path, world_size: int = 2, rank: int = 1, port: int | None = None):
+    def __init__(self, tmp: pathlib.Path, world_size: int = 2, rank: int = 1, port: int | None = None,
+                 ipc: bool = False):
         self.port = port or get_free_port()
         self.out = tmp / f"received-{time.monotonic_ns()}.pt"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.learner.weight_listener", "--port", str(self.port), "--world_size",
-             str(world_size), "--rank", str(rank), "--out", str(self.out)],
+             str(world_size), "--rank", str(rank), "--out", str(self.out), *(["--ipc"] if ipc else [])],
             cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def expect(self, prefix: str) -> str:
@@ -198,10 +206,10 @@ class WeightListener:
         self.proc.wait(10)
 
 
-def init_transfer(stub, listener: WeightListener) -> None:
+def init_transfer(stub, listener: WeightListener, backend=rollout_pb2.WEIGHT_BACKEND_GLOO) -> None:
     stub.InitWeightTransfer(pb.InitWeightTransferRequest(
-        backend=rollout_pb2.WEIGHT_BACKEND_GLOO, master_address="127.0.0.1", master_port=listener.port,
-        world_size=2, timeout_s=120), timeout=180)
+        backend=backend, master_address="127.0.0.1", master_port=listener.port, world_size=2, timeout_s=120),
+        timeout=180)
     listener.expect("JOINED")
 
 

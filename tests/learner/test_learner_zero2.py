@@ -1,4 +1,5 @@
-"""The learner service with two CPU ranks (gloo), ZeRO-2, an actor and a critic, over gRPC.
+"""The learner service with two CPU ranks (gloo), ZeRO-2, an actor and a critic, over gRPC; with
+gradient checkpointing, chunked log-probs (--logprobs_chunk_tokens) and a cosine LR schedule.
 
 One service process (rank 0 starting rank 1) serves every test of this module; the tests run in
 file order and build on each other's state only where they say so.
@@ -16,6 +17,7 @@ from rlmesh.common.v1 import common_pb2
 from rlmesh.learner.v1 import learner_pb2 as pb
 from services.common.tensors import ragged_from_proto, ragged_to_proto, to_proto
 from services.learner.deepspeed_setup import lr_multiplier
+from services.reward.reference import ReferenceModel
 from tests.learner.learner_helpers import (
     WeightListener,
     experience,
@@ -61,15 +63,18 @@ def test_get_info(learner, tiny_model_dir, plain_model):
     assert info.actor_global_step == 0 and info.weight_version == 0
 
 
-def test_logprobs_equal_a_plain_transformers_forward(learner, plain_model):
+def test_logprobs_equal_a_plain_transformers_forward(learner, plain_model, tiny_model_dir):
     seqs, starts = random_sequences(7, plain_model.config.vocab_size, seed=1)
     for temperature in (0.0, 0.7):
         got = logprobs(learner.stub, seqs, starts, temperature)
         want = reference_logprobs(plain_model, seqs, starts, world=2, micro=MICRO_FORWARD,
-                                  pad_id=plain_model.config.pad_token_id, temperature=temperature or 1.0)
+                                  temperature=temperature or 1.0)
         assert [g.numel() for g in got] == response_lengths(seqs, starts)
         for g, w in zip(got, want):
             assert torch.equal(g, w)  # same micro-batches, same weights: bit for bit
+    # The reference role batches the same way: the two services agree bit for bit.
+    reference = ReferenceModel(str(tiny_model_dir), device="cpu", dtype="fp32", micro_batch_size=MICRO_FORWARD)
+    assert all(torch.equal(g, r) for g, r in zip(got, reference.response_logprobs(seqs, starts.tolist(), 0.7)))
     # And against one unpadded forward per sample (padding may move the last bits only).
     with torch.no_grad():
         for g, s, st in zip(got, seqs, starts):
@@ -203,6 +208,25 @@ def test_push_weights_arrive_bit_exact_over_gloo(learner, tmp_path):
     assert learner.stub.GetInfo(pb.GetInfoRequest(), timeout=10).weight_version == 7
 
 
+def test_a_push_to_a_vanished_engine_fails_and_the_learner_keeps_serving(learner, plain_model, tmp_path):
+    listener = WeightListener(tmp_path)
+    try:
+        init_transfer(learner.stub, listener)
+    finally:
+        listener.close()  # the engine goes away after joining
+    start = pb.PushWeightsRequest(start=pb.PushWeightsStart(version=8, weights_dtype=common_pb2.DTYPE_FLOAT32))
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in learner.stub.PushWeights(iter([start]), timeout=120):
+            pass
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "InitWeightTransfer" in info.value.details()
+    with pytest.raises(grpc.RpcError) as again:
+        list(learner.stub.PushWeights(iter([start]), timeout=60))
+    assert again.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    seqs, starts = random_sequences(3, plain_model.config.vocab_size, seed=7)
+    assert len(logprobs(learner.stub, seqs, starts)) == 3  # still serving, ranks in step
+    assert learner.stub.GetInfo(pb.GetInfoRequest(), timeout=10).weight_version == 7
+
+
 def test_offload_blocks_model_calls_until_reload(learner, plain_model):
     seqs, starts = random_sequences(2, plain_model.config.vocab_size, seed=6)
     assert not learner.stub.Offload(pb.OffloadRequest(), timeout=60).moved  # CPU: nothing to move
@@ -215,9 +239,13 @@ def test_offload_blocks_model_calls_until_reload(learner, plain_model):
 
 
 def test_metrics_report_training(learner):
-    text = urllib.request.urlopen(f"http://127.0.0.1:{learner.info['metrics_port']}/metrics", timeout=10).read().decode()
-    for needle in ('rlmesh_learner_tokens_trained_total{model="actor"}', 'rlmesh_learner_skipped_steps_total{model="actor"} 1.0',
-                   "rlmesh_learner_weight_push_bytes_total", 'rlmesh_learner_train_phase_duration_seconds_count{model="critic",phase="backward"}',
-                   'rlmesh_learner_errors_total{code="INVALID_ARGUMENT",method="TrainActor"}', "rlmesh_learner_policy_loss",
-                   'rlmesh_learner_learning_rate{model="actor"}', 'rlmesh_learner_grad_norm{model="critic"}'):
+    url = f"http://127.0.0.1:{learner.info['metrics_port']}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    for needle in ('rlmesh_learner_tokens_trained_total{model="actor"}',
+                   'rlmesh_learner_skipped_steps_total{model="actor"} 1.0',
+                   "rlmesh_learner_weight_push_bytes_total",
+                   'rlmesh_learner_train_phase_duration_seconds_count{model="critic",phase="backward"}',
+                   'rlmesh_learner_errors_total{code="INVALID_ARGUMENT",method="TrainActor"}',
+                   "rlmesh_learner_policy_loss", 'rlmesh_learner_learning_rate{model="actor"}',
+                   'rlmesh_learner_grad_norm{model="critic"}'):
         assert needle in text, needle

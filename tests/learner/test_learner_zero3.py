@@ -5,6 +5,8 @@ one rank.
 The module's first service serves the tests up to the checkpoint test, which kills it.
 """
 
+import concurrent.futures
+import queue
 import shutil
 import signal
 
@@ -16,7 +18,9 @@ from transformers import AutoModelForCausalLM
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.learner.v1 import learner_pb2 as pb
+from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.tensors import ragged_to_proto, to_proto
+from tests.conftest import get_free_port
 from tests.learner.learner_helpers import (
     WeightListener,
     experience,
@@ -28,6 +32,7 @@ from tests.learner.learner_helpers import (
     reference_logprobs,
     signed_advantages,
     start_learner,
+    start_rollout,
     wait_gone,
 )
 
@@ -57,8 +62,7 @@ def test_logprobs_equal_a_plain_transformers_forward(learner, plain_model):
     # 5 samples over 2 ranks: one rank runs a pass with no samples of its own (ZeRO-3 needs it).
     seqs, starts = random_sequences(5, plain_model.config.vocab_size, seed=11)
     got = logprobs(learner.stub, seqs, starts)
-    want = reference_logprobs(plain_model, seqs, starts, world=2, micro=MICRO_FORWARD,
-                              pad_id=plain_model.config.pad_token_id)
+    want = reference_logprobs(plain_model, seqs, starts, world=2, micro=MICRO_FORWARD)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
@@ -100,6 +104,44 @@ def test_push_weights_gathers_partitions_bit_exact(learner, tmp_path):
     trained = export_weights(learner.stub, tmp_path / "export")
     assert received.keys() == trained.keys()
     assert all(torch.equal(received[name], tensor) for name, tensor in trained.items())
+
+
+def test_push_weights_into_the_rollout_service(learner, tiny_model_dir, tmp_path):
+    """The conversation a coordinator runs: InitWeightTransfer on both sides at once, then each
+    PushWeights chunk forwarded to the engine's UpdateWeights; the engine ends with the checksum
+    the learner sent (the rollout service's transformers engine: no vLLM start-up needed)."""
+    rollout = start_rollout(tmp_path, tiny_model_dir)
+    try:
+        engine = rollout_pb2_grpc.RolloutServiceStub(rollout.channel)
+        before = engine.GetModelInfo(rollout_pb2.GetModelInfoRequest(), timeout=30)
+        port = get_free_port()
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            joined = pool.submit(engine.InitWeightTransfer, rollout_pb2.InitWeightTransferRequest(
+                backend=rollout_pb2.WEIGHT_BACKEND_GLOO, master_address="127.0.0.1", master_port=port, world_size=2,
+                rank_offset=1, timeout_s=120), timeout=180)
+            learner.stub.InitWeightTransfer(pb.InitWeightTransferRequest(
+                backend=rollout_pb2.WEIGHT_BACKEND_GLOO, master_address="127.0.0.1", master_port=port, world_size=2,
+                timeout_s=120), timeout=180)
+            assert list(joined.result().ranks) == [1]
+            requests: queue.Queue = queue.Queue()
+            requests.put(pb.PushWeightsRequest(start=pb.PushWeightsStart(
+                version=before.weight_version + 1, weights_dtype=before.weights_dtype, bucket_bytes=300_000,
+                buckets_per_chunk=2)))
+            replies, done = [], None
+            for response in learner.stub.PushWeights(iter(requests.get, None), timeout=300):
+                if response.HasField("done"):
+                    done = response.done
+                    requests.put(None)
+                    continue
+                update = response.chunk.update
+                replies.append(pool.submit(engine.UpdateWeights, update, timeout=300).result())
+                requests.put(pb.PushWeightsRequest(ack=pb.PushWeightsAck(chunk_index=update.chunk_index)))
+        after = engine.GetModelInfo(rollout_pb2.GetModelInfoRequest(), timeout=30)
+    finally:
+        rollout.stop()
+    assert len(replies) >= 2 and replies[-1].weights_checksum == done.weights_checksum
+    assert after.weight_version == done.version and after.weights_checksum == done.weights_checksum
+    assert after.weights_checksum != before.weights_checksum  # the trained weights, not the initial ones
 
 
 def test_checkpoint_survives_a_killed_service(learner, plain_model, tiny_model_dir, tmp_path):

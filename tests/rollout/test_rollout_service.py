@@ -36,8 +36,9 @@ from tests.rollout.helpers import (
     tokens,
 )
 
-# vLLM (CPU kernels) and a transformers forward pass, both float32, on the same tokens.
-LOGPROB_ATOL = 2e-4
+# vLLM (CPU kernels), the hf engine and a transformers forward pass, all float32, on the same tokens:
+# seen within 1e-6 of each other; the margin covers other CPUs' kernels.
+LOGPROB_ATOL = 1e-4
 GREEDY_PROMPTS = [[5, 6, 7, 8], [20, 21, 14, 26, 32], [2, 296, 202, 22, 16, 20, 32, 3, 202, 2, 298, 202], [100, 7]]
 
 
@@ -103,21 +104,31 @@ def test_streamed_batch_with_n_samples(stub, tokenizer):
     assert all(tokens(again[k]) == tokens(got[k]) for k in got)
 
 
-def test_each_sample_streams_back_when_it_finishes(stub):
+def test_each_sample_streams_back_when_it_finishes(stub, vllm_rollout):
+    """A sample that stops early reaches the caller while the others still run: the caller cancels the
+    call on receiving it, and none of the long samples gets to finish (no wall-clock thresholds, which
+    a loaded CI machine would make flaky)."""
     short, long = [5, 6, 7, 8], [20, 21, 14, 26, 32]
     short_ids, long_ids = greedy_ids(stub, [short, long], max_tokens=200)
     stop = next((t for t in short_ids[1:6] if t not in long_ids), None)
     assert stop is not None, "no token ends the short prompt early without ending the long one"
-    request = rollout_pb2.GenerateRequest(prompts=[token_prompt("long", long), token_prompt("short", short)], n=1,
-                                          sampling=rollout_pb2.SamplingOptions(temperature=0.0, max_tokens=200,
-                                                                               ignore_eos=True, stop_token_ids=[stop]))
-    start = time.perf_counter()
-    arrivals = [(r.prompt_id, time.perf_counter() - start, r) for r in stub.Generate(request)]
-    print("ARR", stop, [(a[0], a[1], len(tokens(a[2]))) for a in arrivals]); assert [a[0] for a in arrivals] == ["short", "long"]
-    assert tokens(arrivals[0][2])[-1] == stop and arrivals[0][2].finish_reason == rollout_pb2.FINISH_REASON_STOP
-    assert len(tokens(arrivals[1][2])) == 200
-    assert arrivals[0][1] < 0.5 * arrivals[1][1], f"the short sample came at {arrivals[0][1]:.2f} s, the long at " \
-        f"{arrivals[1][1]:.2f} s: not streamed"
+    # 252 long samples of 200 tokens take several seconds even here; the short ones stop within 6 tokens.
+    prompts = [token_prompt("short", short)] + [token_prompt(f"long{i}", long) for i in range(63)]
+    request = rollout_pb2.GenerateRequest(prompts=prompts, n=4, sampling=rollout_pb2.SamplingOptions(
+        temperature=0.0, max_tokens=200, ignore_eos=True, stop_token_ids=[stop]))
+    finished_long = 'rlmesh_rollout_samples_total{finish_reason="length"}'
+    before = vllm_rollout.metrics().get(finished_long, 0)
+    call = stub.Generate(request)
+    first = next(call)
+    call.cancel()
+    assert first.prompt_id == "short" and tokens(first)[-1] == stop
+    assert first.finish_reason == rollout_pb2.FINISH_REASON_STOP
+    deadline = time.monotonic() + 10
+    while vllm_rollout.metrics()["rlmesh_rollout_running_samples"] > 0:
+        assert time.monotonic() < deadline, "samples still running after the cancel"
+        time.sleep(0.1)
+    assert vllm_rollout.metrics().get(finished_long, 0) == before, \
+        "the long samples finished before the short one reached the caller: results were not streamed"
 
 
 def test_logprobs_match_a_transformers_forward_pass(stub, tiny_model_dir):
@@ -129,7 +140,7 @@ def test_logprobs_match_a_transformers_forward_pass(stub, tiny_model_dir):
             prompt = GREEDY_PROMPTS[int(r.prompt_id)]
             expected = hf_response_logprobs(model, prompt, tokens(r))
             diff = (torch.tensor(logprobs(r)) - torch.tensor(expected)).abs().max().item()
-            print("DIFF", sampling, diff); assert diff < LOGPROB_ATOL, f"{sampling} prompt {r.prompt_id} sample {r.sample_index}: max |diff| {diff}"
+            assert diff < LOGPROB_ATOL, f"{sampling} prompt {r.prompt_id} sample {r.sample_index}: max |diff| {diff}"
 
 
 def test_hf_engine_matches_vllm(stub, hf_rollout):
@@ -144,7 +155,7 @@ def test_hf_engine_matches_vllm(stub, hf_rollout):
     for key in vllm_out:
         assert tokens(hf_out[key]) == tokens(vllm_out[key]), f"greedy tokens differ for prompt {key[0]}"
         diff = (torch.tensor(logprobs(hf_out[key])) - torch.tensor(logprobs(vllm_out[key]))).abs().max().item()
-        print("HFDIFF", diff); assert diff < LOGPROB_ATOL, f"prompt {key[0]}: max |logprob diff| {diff}"
+        assert diff < LOGPROB_ATOL, f"prompt {key[0]}: max |logprob diff| {diff}"
 
 
 def _bad_generate_cases(vocab_size: int):

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Rollout service vs in-process vLLM on one GPU (issue item 10): random Qwen2 with Qwen2.5-0.5B shapes,
+# bf16, CUDA graphs on, 128 prompts of 128 tokens x n=2 = 256 concurrent samples of 256 tokens.
+# Prints tokens/s both ways and the ratio (target >= 0.9). Skips without a GPU.
+#   . /tmp/gpu-env.sh; bash bench/gpu/rollout_overhead.sh [extra bench/rollout_overhead.py options]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "skipped: no CUDA GPU"; exit 0
+fi
+export PYTHONPATH=".:protos:${PYTHONPATH:-}"
+# Both engines stay up and take turns, so each may use at most ~40% of the GPU.
+exec python bench/rollout_overhead.py --model_shape qwen2.5-0.5b --dtype bfloat16 --gpu_memory_utilization 0.4 \
+  --max_model_len 1024 --max_num_seqs 256 --no-enforce_eager --prompts 128 --n 2 --prompt_len 128 \
+  --max_tokens 256 --repeats 3 "$@"

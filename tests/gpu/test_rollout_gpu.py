@@ -1,0 +1,128 @@
+"""The rollout service with vLLM on a CUDA GPU: a random Qwen2 with Qwen2.5-0.5B shapes in bf16
+generates, sleeps and wakes (memory freed, outputs unchanged), and receives weights over CUDA IPC
+from a separate process on the same GPU (checksums equal; outputs switch and switch back).
+Skipped without CUDA (tests/conftest.py); with two GPUs an nccl push runs too.
+
+    PYTHONPATH=.:protos python -m pytest tests/gpu/test_rollout_gpu.py -x -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import grpc
+import pytest
+import torch
+
+from bench.rollout_overhead import build_model
+from rlmesh.rollout.v1 import rollout_pb2
+from services.common import weights
+from tests.rollout.conftest import ROOT, start_rollout, stop_rollout
+from tests.rollout.helpers import by_key, generate, greedy_ids, rpc_error, token_prompt, tokens
+
+PROMPTS = [[5, 6, 7, 8] * 8, [20, 21, 14, 26, 32] * 6, list(range(100, 164))]
+GiB = 1024 ** 3
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu_models")
+    return build_model("qwen2.5-0.5b", root / "a", seed=0), build_model("qwen2.5-0.5b", root / "b", seed=1)
+
+
+@pytest.fixture(scope="module")
+def service(models, tmp_path_factory):
+    proc = start_rollout(models[0], tmp_path_factory.mktemp("rollout_gpu"), "--engine", "vllm", "--dtype", "bfloat16",
+                         "--gpu_memory_utilization", "0.5", "--max_model_len", "2048", "--enable_sleep_mode",
+                         "--enforce_eager", timeout_s=900)
+    yield proc
+    stop_rollout(proc.proc)
+
+
+@pytest.fixture(scope="module")
+def stub(service):
+    with service.channel(timeout_s=600) as channel:
+        yield service.stub(channel)
+
+
+def push(address: str, checkpoint, version: int, backend: str, env=None) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "services.rollout.pusher", "--rollout_addresses", address,
+                           "--checkpoint", str(checkpoint), "--version", str(version), "--backend", backend,
+                           "--bucket_mb", "64", "--timeout_s", "120"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, f"{backend} push failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def checkpoint_checksum(model_dir) -> str:
+    from services.rollout.pusher import load_checkpoint
+
+    return weights.weights_checksum(load_checkpoint(str(model_dir)).items(), torch.bfloat16)
+
+
+def test_generates_a_streamed_batch_on_the_gpu(stub, models):
+    info = stub.GetModelInfo(rollout_pb2.GetModelInfoRequest())
+    assert info.engine_kind == rollout_pb2.ENGINE_KIND_VLLM and info.max_model_len == 2048
+    assert info.weights_checksum == checkpoint_checksum(models[0])
+    responses = generate(stub, [token_prompt(str(i), p) for i, p in enumerate(PROMPTS)], n=4, temperature=1.0,
+                         max_tokens=64, ignore_eos=True, logprobs=True, seed=1)
+    assert sorted(by_key(responses)) == [(str(i), s) for i in range(3) for s in range(4)]
+    assert all(len(tokens(r)) == 64 and r.logprobs.shape[0] == 64 for r in responses)
+
+
+def test_sleep_frees_memory_and_wake_up_keeps_outputs(stub):
+    before = greedy_ids(stub, PROMPTS, max_tokens=32)
+    free_awake, _ = torch.cuda.mem_get_info()
+    reply = stub.Sleep(rollout_pb2.SleepRequest(level=1))
+    free_asleep, total = torch.cuda.mem_get_info()
+    # gpu_memory_utilization 0.5 reserves about half the GPU; sleeping hands most of it back.
+    assert free_asleep - free_awake > 0.3 * total, f"freed only {(free_asleep - free_awake) / GiB:.1f} GiB"
+    assert reply.freed_bytes > 0.3 * total
+    error = rpc_error(lambda: stub.Generate(rollout_pb2.GenerateRequest(
+        prompts=[token_prompt("p", [5])], n=1, sampling=rollout_pb2.SamplingOptions(max_tokens=2))))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "WakeUp" in error.details()
+    assert stub.WakeUp(rollout_pb2.WakeUpRequest()).fully_awake
+    assert greedy_ids(stub, PROMPTS, max_tokens=32) == before
+
+
+def test_ipc_push_from_another_process_on_the_same_gpu(stub, service, models):
+    original = greedy_ids(stub, PROMPTS, max_tokens=32)
+    version = stub.GetModelInfo(rollout_pb2.GetModelInfoRequest()).weight_version
+    result = push(service.address, models[1], version + 1, "ipc")
+    assert result["consistent"] and result["sent_checksum"] == checkpoint_checksum(models[1])
+    info = stub.GetModelInfo(rollout_pb2.GetModelInfoRequest())
+    assert (info.weight_version, info.weights_checksum) == (version + 1, result["sent_checksum"])
+    switched = greedy_ids(stub, PROMPTS, max_tokens=32)
+    assert switched != original
+    # Pushing the first model back restores its outputs exactly: every byte went where it belongs.
+    result = push(service.address, models[0], version + 2, "ipc")
+    assert result["consistent"] and result["sent_checksum"] == checkpoint_checksum(models[0])
+    assert greedy_ids(stub, PROMPTS, max_tokens=32) == original
+
+
+def test_sleep_level_2_needs_a_full_push(stub, service, models):
+    original = greedy_ids(stub, PROMPTS, max_tokens=32)
+    stub.Sleep(rollout_pb2.SleepRequest(level=2))
+    stub.WakeUp(rollout_pb2.WakeUpRequest(tags=["weights"]))
+    info = stub.GetModelInfo(rollout_pb2.GetModelInfoRequest())
+    assert info.weights_state == rollout_pb2.WEIGHTS_STATE_INCOMPLETE
+    push(service.address, models[0], info.weight_version + 1, "ipc")
+    assert stub.WakeUp(rollout_pb2.WakeUpRequest(tags=["kv_cache"])).fully_awake
+    assert greedy_ids(stub, PROMPTS, max_tokens=32) == original
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="an nccl push needs a second GPU for the sender")
+def test_nccl_push_from_another_gpu(stub, service, models):
+    # The service runs on the first visible GPU; the pusher takes the second one.
+    original = greedy_ids(stub, PROMPTS, max_tokens=32)
+    version = stub.GetModelInfo(rollout_pb2.GetModelInfoRequest()).weight_version
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(torch.cuda.device_count())))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible.split(",")[1])
+    result = push(service.address, models[1], version + 1, "nccl", env=env)
+    assert result["consistent"] and result["sent_checksum"] == checkpoint_checksum(models[1])
+    assert greedy_ids(stub, PROMPTS, max_tokens=32) != original
+    push(service.address, models[0], version + 2, "nccl", env=env)
+    assert greedy_ids(stub, PROMPTS, max_tokens=32) == original
