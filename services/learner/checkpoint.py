@@ -39,11 +39,16 @@ def fsync_path(path: pathlib.Path) -> None:
 
 
 def fsync_tree(root: pathlib.Path) -> None:
-    """fsyncs every file and folder under root (folders too, so new names are durable)."""
+    """fsyncs every file and folder under root (folders too, so new names are durable).
+
+    Other ranks may be renaming their temporary files meanwhile; a name that vanished is skipped
+    (its writer syncs the final file itself)."""
     for folder, _, files in os.walk(root):
-        for name in files:
-            fsync_path(pathlib.Path(folder) / name)
-        fsync_path(pathlib.Path(folder))
+        for path in [pathlib.Path(folder) / name for name in files] + [pathlib.Path(folder)]:
+            try:
+                fsync_path(path)
+            except FileNotFoundError:
+                continue
 
 
 def write_atomic(path: pathlib.Path, data: bytes) -> None:

@@ -305,11 +305,10 @@ class LearnerRank:
             # complete while it is being rewritten.
             (folder / checkpoint.MARKER).unlink(missing_ok=True)
             folder.mkdir(parents=True, exist_ok=True)
+            checkpoint.write_atomic(folder / checkpoint.CLIENT_STATE, payload["client_state"])
         dist.barrier()
         for name, engine in self._engines().items():
             engine.save_checkpoint(str(folder), tag=name, save_latest=False)
-        if self.spec.rank == 0:
-            checkpoint.write_atomic(folder / checkpoint.CLIENT_STATE, payload["client_state"])
         # Each rank fsyncs what is there (its own shards included) before rank 0 writes the marker.
         checkpoint.fsync_tree(folder)
         dist.barrier()

@@ -34,15 +34,18 @@ from services.common.client import make_channel
 from services.common.weights import (
     DEFAULT_BUCKET_BYTES,
     PROTO_TO_WIRE_DTYPE,
+    DigestEntry,
+    ParamSlot,
     WeightGroup,
-    broadcast_weights,
+    bucket_digests,
     bucket_members,
+    combine_digests,
     open_weight_group,
     pack_bucket,
     plan_buckets,
+    send_bucket,
     share_bucket_ipc,
     update_weights_request,
-    weights_checksum,
 )
 from services.rollout.engine import checkpoint_files
 
@@ -63,6 +66,16 @@ class PushResult:
         return all(c == self.sent_checksum for c in self.engine_checksums)
 
 
+def split_chunks(slots: list[ParamSlot], sizes: list[int], buckets_per_chunk: int) -> list[tuple[list[ParamSlot], list[int]]]:
+    """Groups consecutive buckets into chunks; bucket numbers restart at 0 in every chunk."""
+    chunks = []
+    for first in range(0, len(sizes), buckets_per_chunk):
+        last = min(first + buckets_per_chunk, len(sizes))
+        members = [dataclasses.replace(s, bucket=s.bucket - first) for s in slots if first <= s.bucket < last]
+        chunks.append((members, list(sizes[first:last])))
+    return chunks
+
+
 def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -72,7 +85,7 @@ def free_port(host: str) -> int:
 class WeightPusher:
     def __init__(self, addresses: list[str], backend: str = "gloo", master_address: str = "127.0.0.1",
                  master_port: int = 0, group_name: str = "rlmesh-weights", timeout_s: float = 600.0,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, chunk_buckets: int = 0):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
         self.addresses = addresses
@@ -82,6 +95,7 @@ class WeightPusher:
         self.group_name = group_name
         self.timeout_s = timeout_s
         self.bucket_bytes = bucket_bytes
+        self.chunk_buckets = chunk_buckets
         self.channels = [make_channel(a, SERVICE, idempotent_methods=("GetModelInfo",),
                                       default_timeout_s=timeout_s + 60) for a in addresses]
         self.stubs = [rollout_pb2_grpc.RolloutServiceStub(c) for c in self.channels]
@@ -117,33 +131,54 @@ class WeightPusher:
         await replies
 
     async def push(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> PushResult:
-        """Sends every (name, tensor) (cast to the engines' dtype) as weight version `version`."""
+        """Sends every (name, tensor) (cast to the engines' dtype) as weight version `version`.
+
+        With chunk_buckets > 0 the push is split into UpdateWeights calls of that many buckets each
+        (chunk_index 0, 1, ...; the last one final), which bounds what an engine holds per call.
+        """
         loop = asyncio.get_running_loop()
         start = loop.time()
         tensors = {name: t.detach() for name, t in named_tensors}
         slots, sizes = plan_buckets([(n, self.wire_dtype, t.shape) for n, t in tensors.items()], self.bucket_bytes)
-        if self.backend == "ipc":
-            # The buffers must stay alive until every engine has answered.
-            device = torch.device("cuda", torch.cuda.current_device())
-            buffers = [pack_bucket(tensors, members, sizes[b], device)
-                       for b, members in enumerate(bucket_members(slots, len(sizes)))]
-            torch.cuda.synchronize(device)
-            handles = [share_bucket_ipc(buf, b) for b, buf in enumerate(buffers)]
-            request = update_weights_request(version, slots, sizes, ipc_buckets=handles)
-            replies = await asyncio.gather(*(s.UpdateWeights(request) for s in self.stubs))
-            sent = weights_checksum(((n, t.to(self.wire_dtype)) for n, t in tensors.items()))
-            del buffers
-        else:
-            request = update_weights_request(version, slots, sizes)
-            calls = [asyncio.ensure_future(s.UpdateWeights(request)) for s in self.stubs]
-            try:
-                sent = await asyncio.to_thread(broadcast_weights, self.group, slots, sizes, tensors)
-            except BaseException:
-                for call in calls:
-                    call.cancel()
-                raise
-            replies = await asyncio.gather(*calls)
-        return PushResult(version, sent, [r.weights_checksum for r in replies], loop.time() - start)
+        chunks = split_chunks(slots, sizes, self.chunk_buckets or len(sizes))
+        entries: dict[str, DigestEntry] = {}
+        replies = []
+        for index, (chunk_slots, chunk_sizes) in enumerate(chunks):
+            final = index == len(chunks) - 1
+            if self.backend == "ipc":
+                replies = await self._push_chunk_ipc(version, index, final, chunk_slots, chunk_sizes, tensors, entries)
+            else:
+                replies = await self._push_chunk_broadcast(version, index, final, chunk_slots, chunk_sizes, tensors,
+                                                           entries)
+        return PushResult(version, combine_digests(entries), [r.weights_checksum for r in replies],
+                          loop.time() - start)
+
+    async def _push_chunk_broadcast(self, version, index, final, slots, sizes, tensors, entries):
+        request = update_weights_request(version, slots, sizes, chunk_index=index, final=final)
+        calls = [asyncio.ensure_future(s.UpdateWeights(request)) for s in self.stubs]
+        try:
+            for bucket, members in enumerate(bucket_members(slots, len(sizes))):
+                chunk = {s.name: tensors[s.name] for s in members}
+                digests = await asyncio.to_thread(send_bucket, self.group, chunk, members, sizes[bucket])
+                entries.update({s.name: DigestEntry(s.dtype, s.shape, digests[s.name]) for s in members})
+        except BaseException:
+            for call in calls:
+                call.cancel()
+            raise
+        return await asyncio.gather(*calls)
+
+    async def _push_chunk_ipc(self, version, index, final, slots, sizes, tensors, entries):
+        device = torch.device("cuda", torch.cuda.current_device())
+        buffers = [pack_bucket(tensors, members, sizes[b], device)
+                   for b, members in enumerate(bucket_members(slots, len(sizes)))]
+        torch.cuda.synchronize(device)
+        for buffer, members in zip(buffers, bucket_members(slots, len(sizes))):
+            digests = bucket_digests(buffer, members)
+            entries.update({s.name: DigestEntry(s.dtype, s.shape, digests[s.name]) for s in members})
+        handles = [share_bucket_ipc(buffer, b) for b, buffer in enumerate(buffers)]
+        request = update_weights_request(version, slots, sizes, chunk_index=index, final=final, ipc_buckets=handles)
+        # The buffers stay alive (referenced here) until every engine has answered.
+        return await asyncio.gather(*(s.UpdateWeights(request) for s in self.stubs))
 
     async def close(self) -> None:
         self.group = None
@@ -163,7 +198,7 @@ def load_checkpoint(model_dir: str) -> dict[str, torch.Tensor]:
 
 async def push_checkpoint(args: argparse.Namespace) -> PushResult:
     pusher = WeightPusher(args.rollout_addresses, args.backend, args.master_address, args.master_port,
-                          args.group_name, args.timeout_s, args.bucket_mb * 1024 * 1024)
+                          args.group_name, args.timeout_s, int(args.bucket_mb * 1024 * 1024), args.chunk_buckets)
     try:
         await pusher.connect()
         return await pusher.push(args.version, load_checkpoint(args.checkpoint).items())
@@ -181,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--master_port", type=int, default=0, help="rendezvous port; 0 = a free one")
     parser.add_argument("--group_name", default="rlmesh-weights", help="name of the push group")
     parser.add_argument("--timeout_s", type=float, default=600.0, help="bound on rendezvous and each broadcast")
-    parser.add_argument("--bucket_mb", type=int, default=256, help="largest bucket, MiB")
+    parser.add_argument("--bucket_mb", type=float, default=256, help="largest bucket, MiB")
+    parser.add_argument("--chunk_buckets", type=int, default=0,
+                        help="buckets per UpdateWeights call; 0 = the whole push in one call")
     args = parser.parse_args(argv)
     try:
         result = asyncio.run(push_checkpoint(args))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.rollout.v1 import rollout_pb2
-from services.common.errors import ServiceError, failed_precondition, invalid_argument
+from services.common.errors import failed_precondition, invalid_argument
 from services.common.tensors import from_proto
 from services.common.weights import check_layout, dtype_name, slots_from_proto
 from services.rollout.config import RolloutConfig

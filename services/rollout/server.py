@@ -20,6 +20,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+import torch
 from transformers import AutoTokenizer
 
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
@@ -189,8 +190,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                                       f"{request.expected_weight_version}; fix: push the expected weights first")
 
     def _response(self, result: SampleResult, prompt, version: int, want_logprobs: bool) -> rollout_pb2.GenerateResponse:
-        import torch
-
         metrics.GENERATED_TOKENS.inc(len(result.token_ids))
         metrics.PROMPT_TOKENS.inc(len(prompt.token_ids))
         metrics.SAMPLES.labels(result.finish_reason).inc()

@@ -20,8 +20,17 @@ import torch
 from bench.rollout_overhead import build_model
 from rlmesh.rollout.v1 import rollout_pb2
 from services.common import weights
-from tests.rollout.conftest import ROOT, start_rollout, stop_rollout
-from tests.rollout.helpers import by_key, generate, greedy_ids, rpc_error, token_prompt, tokens
+from tests.rollout.helpers import (
+    ROOT,
+    by_key,
+    generate,
+    greedy_ids,
+    rpc_error,
+    start_rollout,
+    stop_rollout,
+    token_prompt,
+    tokens,
+)
 
 PROMPTS = [[5, 6, 7, 8] * 8, [20, 21, 14, 26, 32] * 6, list(range(100, 164))]
 GiB = 1024 ** 3

@@ -1,18 +1,92 @@
-"""Request builders and transformers references shared by the rollout tests."""
+"""Rollout service processes, request builders and transformers references for the rollout tests
+(also used by tests/gpu/test_rollout_gpu.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import pathlib
+import signal
 import subprocess
 import sys
+import time
+import urllib.request
 
 import grpc
 import torch
 
-from rlmesh.rollout.v1 import rollout_pb2
+from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from services.common.client import make_sync_channel
 from services.common.logprobs import sequence_logprobs
 from services.common.tensors import from_proto, to_proto
-from tests.rollout.conftest import ROOT
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+MAX_MODEL_LEN = 256
+
+
+@dataclasses.dataclass
+class RolloutProcess:
+    proc: subprocess.Popen
+    address: str
+    metrics_port: int
+    log_path: pathlib.Path
+
+    def channel(self, timeout_s: float = 120.0) -> grpc.Channel:
+        return make_sync_channel(self.address, default_timeout_s=timeout_s)
+
+    def stub(self, channel: grpc.Channel) -> rollout_pb2_grpc.RolloutServiceStub:
+        return rollout_pb2_grpc.RolloutServiceStub(channel)
+
+    def metrics(self) -> dict[str, float]:
+        """The Prometheus text exposition as {'name{labels}': value}."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                values[key] = float(value)
+        return values
+
+    def log_tail(self, chars: int = 6000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+
+def start_rollout(model_dir: pathlib.Path, work_dir: pathlib.Path, *args: str, timeout_s: float = 300) -> RolloutProcess:
+    """Starts the service, waits for its ready file; raises with the log tail if it does not come up."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    ready = work_dir / "ready.json"
+    log_path = work_dir / "service.log"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "services.rollout", "--pretrain", str(model_dir), "--host", "127.0.0.1",
+           "--port", "0", "--metrics_port", "0", "--ready_file", str(ready), "--grace_period_s", "5", *args]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_rollout(proc)
+            raise RuntimeError(f"rollout service did not start:\n{log_path.read_text(errors='replace')[-8000:]}")
+        time.sleep(0.2)
+    info = json.loads(ready.read_text())
+    return RolloutProcess(proc, info["address"], info["metrics_port"], log_path)
+
+
+def stop_rollout(proc: subprocess.Popen) -> None:
+    """SIGTERM (graceful: the engine shuts its workers down), then SIGKILL of the process group."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # vLLM's engine-core and worker processes, if any remain
+    except ProcessLookupError:
+        pass
+    proc.wait(10)
+
+
 
 
 def token_prompt(prompt_id: str, ids) -> rollout_pb2.Prompt:
@@ -81,11 +155,11 @@ def rpc_error(call) -> grpc.RpcError:
     raise AssertionError("the call succeeded but should have failed")
 
 
-def push_checkpoint(address: str, checkpoint, version: int, bucket_mb: int = 1) -> dict:
+def push_checkpoint(address: str, checkpoint, version: int, bucket_mb: float = 1, chunk_buckets: int = 0) -> dict:
     """Pushes a checkpoint from a separate process (the pusher CLI, as a learner would push)."""
     proc = subprocess.run([sys.executable, "-m", "services.rollout.pusher", "--rollout_addresses", address,
                            "--checkpoint", str(checkpoint), "--version", str(version), "--backend", "gloo",
-                           "--bucket_mb", str(bucket_mb), "--timeout_s", "60"],
+                           "--bucket_mb", str(bucket_mb), "--chunk_buckets", str(chunk_buckets), "--timeout_s", "60"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"push failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import grpc
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -12,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from rlmesh.rollout.v1 import rollout_pb2
 from services.common import weights
 from services.rollout.hf_engine import process_logits
-from tests.rollout.helpers import by_key, generate, greedy_ids, hf_greedy, push_checkpoint, token_prompt, tokens
+from tests.rollout.helpers import by_key, generate, greedy_ids, hf_greedy, push_checkpoint, rpc_error, token_prompt, tokens
 
 
 def test_process_logits_follows_vllms_order_and_definitions():
@@ -74,7 +75,7 @@ def test_sampled_batch_with_n(hf):
 
 def test_weight_push_into_the_hf_engine(hf, hf_rollout, tiny_model_dir, tiny_model_dir_b):
     model_b = AutoModelForCausalLM.from_pretrained(tiny_model_dir_b, dtype=torch.float32).eval()
-    result = push_checkpoint(hf_rollout.address, tiny_model_dir_b, version=1)
+    result = push_checkpoint(hf_rollout.address, tiny_model_dir_b, version=1, bucket_mb=0.25, chunk_buckets=3)
     assert result["consistent"]
     assert result["sent_checksum"] == weights.weights_checksum(model_b.named_parameters(), torch.float32)
     prompts = [[5, 6, 7, 8], [30, 31]]
@@ -84,3 +85,39 @@ def test_weight_push_into_the_hf_engine(hf, hf_rollout, tiny_model_dir, tiny_mod
     info = hf.GetModelInfo(rollout_pb2.GetModelInfoRequest())
     model_a = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     assert info.weights_checksum == weights.weights_checksum(model_a.named_parameters(), torch.float32)
+
+
+def test_generate_is_refused_between_the_chunks_of_a_push(hf, hf_rollout, tiny_model_dir):
+    """Half a push never serves: Generate fails with FAILED_PRECONDITION until the final chunk lands."""
+    from services.rollout.pusher import free_port, load_checkpoint, split_chunks
+
+    tensors = load_checkpoint(str(tiny_model_dir))
+    slots, sizes = weights.plan_buckets([(n, torch.float32, t.shape) for n, t in tensors.items()], 256 * 1024)
+    chunks = split_chunks(slots, sizes, len(sizes) // 2)
+    assert len(chunks) >= 2
+    port = free_port("127.0.0.1")
+    joined = hf.InitWeightTransfer.future(rollout_pb2.InitWeightTransferRequest(
+        backend=rollout_pb2.WEIGHT_BACKEND_GLOO, master_address="127.0.0.1", master_port=port, world_size=2,
+        rank_offset=1, group_name="chunks", timeout_s=30))
+    group = weights.open_weight_group("gloo", "127.0.0.1", port, 2, 0, "chunks", 30)
+    assert list(joined.result().ranks) == [1]
+    version = hf.GetModelInfo(rollout_pb2.GetModelInfoRequest()).weight_version + 1
+
+    for index, (chunk_slots, chunk_sizes) in enumerate(chunks):
+        final = index == len(chunks) - 1
+        call = hf.UpdateWeights.future(weights.update_weights_request(
+            version, chunk_slots, chunk_sizes, chunk_index=index, final=final))
+        for bucket, members in enumerate(weights.bucket_members(chunk_slots, len(chunk_sizes))):
+            weights.send_bucket(group, tensors, members, chunk_sizes[bucket])
+        reply = call.result()
+        info = hf.GetModelInfo(rollout_pb2.GetModelInfoRequest())
+        if not final:
+            assert reply.weights_checksum == "" and reply.weight_version == version - 1
+            assert info.weights_state == rollout_pb2.WEIGHTS_STATE_UPDATING
+            error = rpc_error(lambda: hf.Generate(rollout_pb2.GenerateRequest(
+                prompts=[token_prompt("p", [5])], n=1, sampling=rollout_pb2.SamplingOptions(max_tokens=2))))
+            assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "under way" in error.details()
+    assert info.weights_state == rollout_pb2.WEIGHTS_STATE_READY and info.weight_version == version
+    assert reply.weights_checksum == info.weights_checksum == weights.weights_checksum(tensors.items(), torch.float32)
+    assert reply.received_params == len(tensors)
+    assert len(generate(hf, [token_prompt("p", [5])], max_tokens=2)) == 1

@@ -20,8 +20,9 @@ from rlmesh.common.v1 import common_pb2
 from rlmesh.rollout.v1 import rollout_pb2
 from services.common import weights
 from services.common.tensors import from_proto, to_proto
-from tests.rollout.conftest import MAX_MODEL_LEN, ROOT
 from tests.rollout.helpers import (
+    MAX_MODEL_LEN,
+    ROOT,
     by_key,
     chat_prompt,
     generate,
@@ -326,7 +327,8 @@ def weights_port() -> int:
 
 def test_weight_push_switches_outputs_to_the_second_model(stub, vllm_rollout, tiny_model_dir_b):
     before = greedy_ids(stub, GREEDY_PROMPTS)
-    result = push_checkpoint(vllm_rollout.address, tiny_model_dir_b, version=1)
+    # 256 KiB buckets, two per UpdateWeights call: a push of several chunks.
+    result = push_checkpoint(vllm_rollout.address, tiny_model_dir_b, version=1, bucket_mb=0.25, chunk_buckets=2)
     model_b = hf_model(tiny_model_dir_b)
     expected_checksum = weights.weights_checksum(model_b.named_parameters(), torch.float32)
     assert result["consistent"] and result["sent_checksum"] == expected_checksum

@@ -1,0 +1,328 @@
+"""`rlmesh eval`: pass@1 and pass@n of a model through the rollout and reward services, like
+simpleRL-reason's math_eval.
+
+    rlmesh eval --pretrain DIR --dataset test.jsonl --input_key prompt --label_key label --reward_func math
+    rlmesh eval ... --n_samples_per_prompt 8 --temperature 0.6          (pass@1 averaged over 8, and pass@8)
+    rlmesh eval --rollout_addresses H:P --reward_addresses H:P --dataset ...   (services already running)
+
+Without addresses it starts one rollout service (vLLM, or --rollout_engine hf) and one reward service
+on this machine and stops them at the end. A sample counts as solved when the reward source says so
+(the math rule's `accuracy`), otherwise when its reward is at least --pass_reward. Results are
+reported overall and per data source (rows' `datasource` / `data_source` field, else the file name),
+printed as JSON and written to --output when given.
+
+`evaluate()` is the same computation for callers that already hold the services (the training loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import pathlib
+import sys
+import time
+from collections import defaultdict
+
+from rlmesh.rollout.v1 import rollout_pb2
+from services.common.config import ConfigError, opt, parse_config
+from services.common.datasets import DatasetError, load_prompts
+from services.common.log import get_logger, log_event
+from services.common.tensors import from_proto
+from services.coordinator.data import Prompt
+from services.coordinator.rollout_pool import RolloutPool
+from services.reward.source import ScoreBatch
+
+_log = get_logger("coordinator")
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics (pure functions)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n - c, k) / C(n, k)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+@dataclasses.dataclass
+class PromptResult:
+    """The scored samples of one prompt."""
+
+    datasource: str
+    correct: list[bool]
+    lengths: list[int]  # response tokens per sample
+
+
+def summarize(results: list[PromptResult], n: int, prefix: str = "eval/") -> dict[str, float]:
+    """pass@1, pass@n, mean response length and prompt count, overall and per data source.
+
+    Keys: f"{prefix}pass@1", f"{prefix}pass@{n}", f"{prefix}response_length", f"{prefix}prompts", and
+    the same under f"{prefix}{datasource}/" when there are several data sources.
+    """
+    groups: dict[str, list[PromptResult]] = defaultdict(list)
+    for r in results:
+        groups[r.datasource].append(r)
+    scopes = {"": results}
+    if len(groups) > 1:
+        scopes.update({f"{name}/": rows for name, rows in sorted(groups.items())})
+    out: dict[str, float] = {}
+    for scope, rows in scopes.items():
+        if not rows:
+            continue
+        key = f"{prefix}{scope}"
+        out[f"{key}pass@1"] = sum(pass_at_k(len(r.correct), sum(r.correct), 1) for r in rows) / len(rows)
+        if n > 1:
+            out[f"{key}pass@{n}"] = sum(pass_at_k(len(r.correct), sum(r.correct), n) for r in rows) / len(rows)
+        lengths = [x for r in rows for x in r.lengths]
+        out[f"{key}response_length"] = sum(lengths) / max(len(lengths), 1)
+        out[f"{key}prompts"] = float(len(rows))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The evaluation over running services
+
+
+def is_correct(reward: float, extra: dict[str, float], pass_reward: float) -> bool:
+    """The reward source's own verdict when it gives one (`accuracy`), else reward >= pass_reward."""
+    if "accuracy" in extra and math.isfinite(extra["accuracy"]):
+        return extra["accuracy"] >= 0.5
+    return reward >= pass_reward
+
+
+async def evaluate(pool: RolloutPool, score, prompts: list[Prompt], n: int, sampling: rollout_pb2.SamplingOptions,
+                   expected_version: int, seed: int, pass_reward: float = 1.0, prefix: str = "eval/",
+                   request_name: str = "eval") -> dict[str, float]:
+    """Generates n samples per prompt on the pool's engines, scores them, returns summarize(...).
+
+    score: async fn(ScoreBatch) -> an object with `rewards` (N,) and `extra` {name: (N,)} (a
+    RewardClient's score, or the loop's balanced call). Samples are scored in batches as they arrive.
+    """
+    samples: list[tuple[Prompt, rollout_pb2.GenerateResponse]] = []
+    pending: list[asyncio.Task] = []
+    verdicts: dict[str, list[bool]] = defaultdict(list)
+    lengths: dict[str, list[int]] = defaultdict(list)
+    batch_size = 256
+
+    async def score_batch(batch: list[tuple[Prompt, rollout_pb2.GenerateResponse]]) -> None:
+        scored = await score(ScoreBatch(
+            queries=[p.text + s.text for p, s in batch], prompts=[p.text for p, _ in batch],
+            responses=[s.text for _, s in batch], labels=[p.label for p, _ in batch],
+            sample_ids=[f"{p.uid}/{s.sample_index}" for p, s in batch],
+            data_sources=[p.datasource for p, _ in batch]))
+        for i, (prompt, sample) in enumerate(batch):
+            extra = {k: float(v[i]) for k, v in scored.extra.items()}
+            verdicts[prompt.uid].append(is_correct(float(scored.rewards[i]), extra, pass_reward))
+            lengths[prompt.uid].append(from_proto(sample.response_token_ids, "response_token_ids").numel())
+
+    def on_sample(prompt: Prompt, sample: rollout_pb2.GenerateResponse) -> None:
+        if sample.finish_reason == rollout_pb2.FINISH_REASON_ABORT:
+            raise RuntimeError(f"rollout aborted sample {sample.sample_index} of prompt {prompt.uid}")
+        samples.append((prompt, sample))
+        if len(samples) >= batch_size:
+            pending.append(asyncio.ensure_future(score_batch(samples[:])))
+            samples.clear()
+
+    def on_retry(prompt: Prompt) -> None:
+        # The prompt is generated again from scratch on another engine: forget what it had.
+        samples[:] = [(p, s) for p, s in samples if p.uid != prompt.uid]
+        verdicts.pop(prompt.uid, None)
+        lengths.pop(prompt.uid, None)
+
+    started = time.monotonic()
+    try:
+        await pool.generate(prompts, n, sampling, expected_version, seed, step=0, round_index=0,
+                            on_sample=on_sample, on_retry=on_retry)
+        if samples:
+            pending.append(asyncio.ensure_future(score_batch(samples[:])))
+        await asyncio.gather(*pending)
+    except BaseException:
+        for task in pending:
+            task.cancel()
+        raise
+    results = [PromptResult(p.datasource, verdicts[p.uid], lengths[p.uid]) for p in prompts]
+    metrics = summarize(results, n, prefix)
+    metrics[f"{prefix}seconds"] = time.monotonic() - started
+    log_event(_log, f"{request_name}.done", prompts=len(prompts), n=n,
+              **{k.removeprefix(prefix): f"{v:.4f}" for k, v in metrics.items() if "/" not in k.removeprefix(prefix)})
+    return metrics
+
+
+def load_eval_prompts(paths: str, tokenizer, input_key: str, label_key: str, apply_chat_template: bool,
+                      input_template: str, prompt_max_len: int, max_samples: int, seed: int) -> list[Prompt]:
+    """Evaluation prompts in file order (no shuffle), tokenized as the training loop tokenizes them."""
+    rows = load_prompts(paths, input_key=input_key, label_key=label_key, tokenizer=tokenizer,
+                        apply_chat_template=apply_chat_template, input_template=input_template or None,
+                        max_len=prompt_max_len, max_samples=max_samples, seed=seed, shuffle=False)
+    encoded = tokenizer([r.prompt for r in rows], add_special_tokens=not apply_chat_template)["input_ids"]
+    return [Prompt(f"{r.datasource}-{r.index}", r.prompt, tuple(ids), r.label, r.datasource)
+            for r, ids in zip(rows, encoded)]
+
+
+# ----------------------------------------------------------------------------------------------
+# `rlmesh eval`
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    """Evaluates a model on labelled prompts through the rollout and reward services (pass@1, pass@n)."""
+
+    pretrain: str = opt("", "local model folder: served by the rollout service this command starts, and the "
+                        "tokenizer of the prompts (with --rollout_addresses only its tokenizer is read)")
+    dataset: str = opt("", "evaluation prompts: JSONL / Parquet / Arrow files or save_to_disk folders, comma separated")
+    input_key: str = opt("input", "field of the prompt text (or chat message list)")
+    label_key: str = opt("label", "field of the reference answer")
+    apply_chat_template: bool = opt(False, "format prompts with the tokenizer's chat template")
+    input_template: str = opt("", "format string with {} for the prompt, e.g. 'Question: {}\\nAnswer:'")
+    max_samples: int = opt(1_000_000_000, "evaluate at most this many prompts (the first ones)")
+    prompt_max_len: int = opt(1024, "longer prompts are skipped (and counted in the log)")
+    generate_max_len: int = opt(1024, "most tokens generated per response")
+    n_samples_per_prompt: int = opt(1, "samples per prompt: pass@1 is their mean; pass@n is reported when n > 1")
+    temperature: float = opt(0.0, "sampling temperature; 0 = greedy")
+    top_p: float = opt(1.0, "nucleus sampling")
+    seed: int = opt(42, "sampling seed")
+    reward_func: str = opt("", "built-in rule reward: math, exact_match or format")
+    reward_pretrain: str = opt("", "local reward model folder instead of a rule")
+    remote_rm_url: str = opt("", "reward server URL(s) or a Python file defining reward_func, instead of a rule")
+    pass_reward: float = opt(1.0, "a sample counts as solved at this reward or more, unless the reward source "
+                             "reports its own verdict (the math rule's accuracy)")
+    rollout_addresses: list[str] = opt([], "host:port of running rollout services (the model they hold is evaluated)")
+    reward_addresses: list[str] = opt([], "host:port of running reward services")
+    rollout_engine: str = opt("vllm", "engine of the rollout service this command starts", choices=["vllm", "hf"])
+    device: str = opt("auto", "device of the services this command starts", choices=["auto", "cpu", "cuda"])
+    vllm_gpu_memory_utilization: float = opt(0.0, "fraction of GPU memory vLLM may use; 0 = 0.9 on GPU, 0.1 on CPU")
+    run_dir: str = opt("runs/eval", "folder of the started services' logs")
+    output: str = opt("", "also write the metrics as JSON to this file")
+    service_start_timeout_s: float = opt(900.0, "how long to wait for a started service to report SERVING")
+    rpc_timeout_s: float = opt(1800.0, "deadline of the Generate and Score calls")
+
+    def validate(self) -> None:
+        if not self.pretrain or not pathlib.Path(self.pretrain).is_dir():
+            raise ConfigError(f"--pretrain {self.pretrain!r}: give a local model folder (its tokenizer encodes the "
+                              "prompts, and without --rollout_addresses it is the model evaluated)")
+        if not self.dataset:
+            raise ConfigError("--dataset is required: local JSONL / Parquet / Arrow file(s) or save_to_disk folder(s)")
+        sources = [n for n in ("reward_func", "reward_pretrain", "remote_rm_url") if getattr(self, n)]
+        if not self.reward_addresses and len(sources) != 1:
+            raise ConfigError("give exactly one reward source (--reward_func math, --reward_pretrain DIR or "
+                              f"--remote_rm_url URL) or --reward_addresses; got {sources or 'none'}")
+        if self.n_samples_per_prompt < 1:
+            raise ConfigError(f"--n_samples_per_prompt {self.n_samples_per_prompt} must be >= 1")
+        if self.temperature < 0:
+            raise ConfigError(f"--temperature {self.temperature} must be >= 0 (0 = greedy)")
+        if self.n_samples_per_prompt > 1 and self.temperature == 0:
+            raise ConfigError("--n_samples_per_prompt > 1 with --temperature 0 gives n identical samples; "
+                              "set --temperature (e.g. 0.6) or use one sample")
+        if self.device == "auto":
+            import torch
+
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.vllm_gpu_memory_utilization == 0:
+            self.vllm_gpu_memory_utilization = 0.9 if self.device == "cuda" else 0.1
+
+
+def rollout_service_argv(config: EvalConfig) -> list[str]:
+    argv = ["--pretrain", config.pretrain, "--engine", config.rollout_engine,
+            "--gpu_memory_utilization", str(config.vllm_gpu_memory_utilization),
+            "--max_model_len", str(config.prompt_max_len + config.generate_max_len), "--seed", str(config.seed)]
+    if config.rollout_engine == "hf":
+        argv += ["--hf_device", config.device]
+    return argv
+
+
+def reward_service_argv(config: EvalConfig) -> list[str]:
+    argv = ["--device", config.device]
+    if config.reward_pretrain:
+        return argv + ["--reward_pretrain", config.reward_pretrain]
+    if config.remote_rm_url:
+        return argv + ["--remote_rm_url", config.remote_rm_url]
+    return argv + ["--reward_func", config.reward_func]
+
+
+class BalancedScorer:
+    """Spreads Score calls over reward services: each batch goes to the one with the fewest in flight."""
+
+    def __init__(self, addresses: list[str], timeout_s: float):
+        from services.reward.client import RewardClient
+
+        self.clients = [RewardClient(a, timeout_s=timeout_s) for a in addresses]
+        self.in_flight = [0] * len(self.clients)
+
+    async def __call__(self, batch: ScoreBatch):
+        i = min(range(len(self.clients)), key=lambda k: (self.in_flight[k], k))
+        self.in_flight[i] += 1
+        try:
+            return await self.clients[i].score(batch, request_id="eval")
+        finally:
+            self.in_flight[i] -= 1
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
+
+
+async def run_eval(config: EvalConfig) -> dict[str, float]:
+    """Starts the services that were not given, evaluates, stops what it started."""
+    from transformers import AutoTokenizer
+
+    from services.coordinator.launcher import spawn_service, stop_all, wait_until_ready
+
+    tokenizer = AutoTokenizer.from_pretrained(config.pretrain)
+    try:
+        prompts = load_eval_prompts(config.dataset, tokenizer, config.input_key, config.label_key,
+                                    config.apply_chat_template, config.input_template, config.prompt_max_len,
+                                    config.max_samples, config.seed)
+    except DatasetError as exc:
+        raise ConfigError(str(exc)) from exc
+    log_dir = pathlib.Path(config.run_dir) / "logs"
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1"} if config.device == "cpu" else {}
+    started = []
+    if not config.rollout_addresses:
+        started.append(spawn_service("eval-rollout", "services.rollout", rollout_service_argv(config), log_dir, env=env))
+    if not config.reward_addresses:
+        started.append(spawn_service("eval-reward", "services.reward", reward_service_argv(config), log_dir, env=env))
+    pool = scorer = None
+    try:
+        await asyncio.gather(*(wait_until_ready(s, config.service_start_timeout_s) for s in started))
+        by_name = {s.name: s.address for s in started}
+        rollout = config.rollout_addresses or [by_name["eval-rollout"]]
+        reward = config.reward_addresses or [by_name["eval-reward"]]
+        pool = RolloutPool(rollout, config.rpc_timeout_s)
+        scorer = BalancedScorer(reward, config.rpc_timeout_s)
+        versions = {info.weight_version for info in await pool.model_infos()}
+        if len(versions) != 1:
+            raise RuntimeError(f"the rollout services hold different weight versions {sorted(versions)}; "
+                               "evaluate one model at a time")
+        sampling = rollout_pb2.SamplingOptions(temperature=config.temperature, top_p=config.top_p,
+                                               max_tokens=config.generate_max_len, return_text=True)
+        return await evaluate(pool, scorer, prompts, config.n_samples_per_prompt, sampling, versions.pop(),
+                              config.seed, config.pass_reward)
+    finally:
+        if pool is not None:
+            await pool.close()
+        if scorer is not None:
+            await scorer.close()
+        await asyncio.to_thread(stop_all, started, 30.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_config(EvalConfig, argv, description=EvalConfig.__doc__)
+    try:
+        metrics = asyncio.run(run_eval(config))
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    text = json.dumps(metrics, indent=1, sort_keys=True)
+    print(text)
+    if config.output:
+        pathlib.Path(config.output).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
