@@ -99,6 +99,10 @@ class Engine(abc.ABC):
     def generate(self, specs: Sequence[SampleSpec], sampling: Sampling) -> AsyncIterator[SampleResult]:
         """Yields each sample as it finishes. Closing the iterator early aborts the unfinished ones."""
 
+    def is_dead(self) -> bool:
+        """True once the engine can no longer generate (e.g. vLLM's engine-core process died)."""
+        return False
+
     @abc.abstractmethod
     def running_samples(self) -> int:
         """Samples submitted to the engine and not finished yet."""

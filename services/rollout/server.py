@@ -121,8 +121,10 @@ def track(method: str):
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    def __init__(self, config: RolloutConfig, engine: Engine, tokenizer, digests: dict[str, DigestEntry]):
+    def __init__(self, config: RolloutConfig, engine: Engine, tokenizer, digests: dict[str, DigestEntry],
+                 set_serving=lambda serving: None):
         self.config = config
+        self.set_serving = set_serving  # health: NOT_SERVING once the engine is dead
         self.engine = engine
         self.facts = engine.facts
         self.tokenizer = tokenizer
@@ -170,16 +172,28 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                     log_event(log, "generate.start", request_id=tag, prompts=len(prompts), n=request.n,
                               max_tokens=sampling.max_tokens, weight_version=version)
                     done = 0
-                    async with contextlib.aclosing(self.engine.generate(specs, sampling)) as results:
-                        async for result in results:
-                            done += 1
-                            yield self._response(result, prompts[result.spec.prompt_index], version, sampling.logprobs)
+                    try:
+                        async with contextlib.aclosing(self.engine.generate(specs, sampling)) as results:
+                            async for result in results:
+                                done += 1
+                                yield self._response(result, prompts[result.spec.prompt_index], version,
+                                                     sampling.logprobs)
+                    except Exception:
+                        self._check_engine_alive()  # a dead engine is UNAVAILABLE, not a bad request
+                        raise
                     log_event(log, "generate.done", request_id=tag, samples=done)
             finally:
                 if waiting:
                     metrics.WAITING_REQUESTS.dec()
 
+    def _check_engine_alive(self) -> None:
+        if self.engine.is_dead():
+            self.set_serving(False)
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"the {self.facts.engine_version} engine has died (see the "
+                               "service log); restart the service")
+
     def _check_can_generate(self, request: rollout_pb2.GenerateRequest) -> None:
+        self._check_engine_alive()
         if self.asleep:
             raise failed_precondition(f"the engine is asleep (level {self.sleep_level}, {sorted(self.asleep)} released); "
                                       "call WakeUp before Generate")
@@ -385,7 +399,7 @@ async def build(runner: ServiceRunner, config: RolloutConfig) -> None:
     engine = build_engine(config)
     digests = await engine.initial_digests()
     tokenizer = AutoTokenizer.from_pretrained(config.pretrain, trust_remote_code=config.trust_remote_code)
-    servicer = RolloutServicer(config, engine, tokenizer, digests)
+    servicer = RolloutServicer(config, engine, tokenizer, digests, runner.set_serving)
     runner.add(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, servicer, SERVICE_NAME)
     runner.on_shutdown.append(engine.shutdown)
     f = engine.facts

@@ -116,6 +116,9 @@ class VllmEngine(Engine):
     def running_samples(self) -> int:
         return self._running
 
+    def is_dead(self) -> bool:
+        return self.llm.errored
+
     async def generate(self, specs: Sequence[SampleSpec], sampling: Sampling) -> AsyncIterator[SampleResult]:
         queue: asyncio.Queue[SampleResult | BaseException] = asyncio.Queue()
         tasks = [asyncio.create_task(self._generate_one(spec, sampling, queue)) for spec in specs]

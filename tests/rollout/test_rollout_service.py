@@ -370,3 +370,29 @@ def test_failed_push_refuses_generate_until_a_complete_push(stub, vllm_rollout, 
     assert info.weights_state == rollout_pb2.WEIGHTS_STATE_READY and info.weight_version == version + 1
     assert greedy_ids(stub, GREEDY_PROMPTS) == [hf_greedy(model_a, p, 12) for p in GREEDY_PROMPTS]
 
+
+
+def test_a_dead_engine_reports_unavailable_and_not_serving(stub, channel, vllm_rollout):
+    """Kills vLLM's engine-core process (the session's engine is unusable afterwards: this runs last)."""
+    import psutil
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    children = psutil.Process(vllm_rollout.proc.pid).children(recursive=True)
+    engine_core = [p for p in children if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())]
+    assert engine_core, f"no engine-core process among {[p.name() for p in children]}"
+    engine_core[0].kill()
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            generate(stub, [token_prompt("p", [5, 6])], max_tokens=2, timeout=30)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                assert "died" in exc.details() and "restart" in exc.details()
+                break
+        assert time.monotonic() < deadline, "Generate kept working after the engine-core process was killed"
+        time.sleep(0.5)
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + 10
+    while health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.NOT_SERVING:
+        assert time.monotonic() < deadline, "health still SERVING with a dead engine"
+        time.sleep(0.1)
