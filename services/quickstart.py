@@ -33,6 +33,7 @@ from services.common.config import ConfigError, opt, parse_config
 from services.common.log import get_logger, log_event
 
 _log = get_logger("quickstart")
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @dataclasses.dataclass
@@ -126,9 +127,6 @@ def run_sft(config: QuickstartConfig, model_dir: pathlib.Path, data: dict, out_d
         raise RuntimeError(f"SFT failed (exit {code}); last lines of {log_path}:\n{tail}")
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     return records[-1]
-
-
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def grpo_argv(config: QuickstartConfig, sft_dir: pathlib.Path, data: dict, run_dir: pathlib.Path) -> list[str]:

@@ -149,8 +149,8 @@ async def evaluate(pool: RolloutPool, score, prompts: list[Prompt], n: int, samp
     results = [PromptResult(p.datasource, verdicts[p.uid], lengths[p.uid]) for p in prompts]
     metrics = summarize(results, n, prefix)
     metrics[f"{prefix}seconds"] = time.monotonic() - started
-    log_event(_log, f"{request_name}.done", prompts=len(prompts), n=n,
-              **{k.removeprefix(prefix): f"{v:.4f}" for k, v in metrics.items() if "/" not in k.removeprefix(prefix)})
+    overall = {k.removeprefix(prefix): f"{v:.4g}" for k, v in metrics.items() if "/" not in k.removeprefix(prefix)}
+    log_event(_log, f"{request_name}.done", samples_per_prompt=n, **overall)
     return metrics
 
 

@@ -79,6 +79,7 @@ class OfflineConfig(DeepSpeedOptions):
     lr_scheduler: str = opt("cosine_with_min_lr", "learning-rate schedule after the linear warm-up",
                             choices=["constant_with_warmup", "cosine_with_min_lr"])
     micro_train_batch_size: int = opt(8, "rows per forward/backward pass on one rank (a row: one example or one pair)")
+    seed: int = opt(42, "seed of the data order (and of new weights, e.g. a reward model's head)")
     max_steps: int = opt(0, "optimizer steps of the run: data rows // train_batch_size x max_epochs", derived=True)
 
     def validate(self) -> None:

@@ -104,7 +104,8 @@ class RMTrainer(OfflineTrainer):
         both = torch.cat([c, r])
         ratios: Ratios = {"loss": (float(losses.detach().sum()), n), "acc": (float((c > r).sum()), n),
                           "chosen_reward": (float(c.sum()), n), "rejected_reward": (float(r.sum()), n),
-                          "score_mean": (float(both.sum()), 2 * n), "score_sq": (float((both ** 2).sum()), 2 * n)}
+                          "score_mean": (float(both.sum()), 2 * n),
+                          "score_mean_square": (float((both ** 2).sum()), 2 * n)}
         return losses.mean(), ratios
 
     def save(self, engine, tokenizer, path, rank: int) -> None:
@@ -113,7 +114,7 @@ class RMTrainer(OfflineTrainer):
         per_rank = min(STATS_ROWS, len(self.train_rows) // self.world)
         rows = self.eval_rows or self.train_rows[rank * per_rank:(rank + 1) * per_rank]
         stats = self.evaluate(engine, rows)
-        std = math.sqrt(max(stats["score_sq"] - stats["score_mean"] ** 2, 0.0))
+        std = math.sqrt(max(stats["score_mean_square"] - stats["score_mean"] ** 2, 0.0))
         architecture = sequence_classification_architecture(type(engine.module).__name__)
         save_hf_model(engine, tokenizer, path, rank, config_updates={
             "mean": stats["score_mean"], "std": std, "architectures": [architecture],
