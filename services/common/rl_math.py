@@ -89,6 +89,12 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask.bool(), positions, torch.full_like(positions, -1)).max(dim=1).values.clamp(min=0)
 
 
+def last_token_values(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) values, (B, T) mask -> (B,) each row's value at its last position where mask is 1
+    (a reward model's score or a critic's value is read there; left or right padding both work)."""
+    return values.gather(1, last_token_index(mask).unsqueeze(1)).squeeze(1)
+
+
 def kl_shaped_rewards(
     reward: torch.Tensor,
     kl: torch.Tensor,

@@ -21,6 +21,8 @@ import re
 import shutil
 import time
 
+from services.common.durable import fsync_path, write_atomic
+
 MARKER = "learner.json"
 CLIENT_STATE = "client_state.bin"
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -28,14 +30,6 @@ STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 def step_dir(root: str | os.PathLike, global_step: int) -> pathlib.Path:
     return pathlib.Path(root) / f"global_step_{global_step}"
-
-
-def fsync_path(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fsync_tree(root: pathlib.Path) -> None:
@@ -49,17 +43,6 @@ def fsync_tree(root: pathlib.Path) -> None:
                 fsync_path(path)
             except FileNotFoundError:
                 continue
-
-
-def write_atomic(path: pathlib.Path, data: bytes) -> None:
-    """tmp + fsync + rename + fsync of the folder: readers see the old file or the whole new one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
 
 
 def is_complete(folder: pathlib.Path) -> bool:

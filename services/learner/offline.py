@@ -130,14 +130,6 @@ def response_logprob_sums(token_logprobs: torch.Tensor, loss_mask: torch.Tensor)
     return (token_logprobs * mask).sum(-1), mask.sum(-1)
 
 
-def last_token_values(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """values (B, T), attention_mask (B, T) -> (B,) the value at each row's last attended position
-    (the reward service reads reward-model scores the same way)."""
-    width = attention_mask.shape[1]
-    last = width - 1 - attention_mask.long().flip(1).argmax(dim=1)  # (B,)
-    return values.gather(1, last.unsqueeze(1)).squeeze(1)
-
-
 # ----------------------------------------------------------------------------------------------
 # Losses (pure functions)
 

@@ -23,12 +23,12 @@ import torch
 from services.common.config import ConfigError, opt, parse_config
 from services.common.datasets import load_preferences
 from services.common.logprobs import position_ids_from_mask
+from services.common.rl_math import last_token_values
 from services.learner.deepspeed_setup import load_pretrained
 from services.learner.offline import (
     OfflineConfig,
     OfflineTrainer,
     Ratios,
-    last_token_values,
     pad_right,
     pairwise_reward_loss,
     save_hf_model,

@@ -25,6 +25,7 @@ from safetensors import safe_open
 from services.common.config import ConfigError
 from services.common.errors import ServiceError, invalid_argument
 from services.common.logprobs import position_ids_from_mask
+from services.common.rl_math import last_token_values
 from services.reward.source import RewardSource, ScoreBatch, SourceScores
 
 
@@ -71,16 +72,6 @@ def pad_right(seqs: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torc
         ids[row, :len(s)] = s
         mask[row, :len(s)] = 1
     return ids, mask
-
-
-def last_token_values(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """values (B, T), attention_mask (B, T) -> (B,) the value at each row's last attended position.
-
-    The last 1 of each mask row, so right or left padding both work.
-    """
-    width = attention_mask.shape[1]
-    last = width - 1 - attention_mask.long().flip(1).argmax(dim=1)  # (B,)
-    return values.gather(1, last.unsqueeze(1)).squeeze(1)
 
 
 class RewardModel:
