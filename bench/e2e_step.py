@@ -49,7 +49,7 @@ def run_rlmesh(args, model: pathlib.Path, data: pathlib.Path, work: pathlib.Path
             "--pretrain", str(model), "--prompt_data", str(data / "arith_train.jsonl"), "--input_key", "prompt",
             "--label_key", "label", "--apply_chat_template", "--reward_func", "math",
             "--advantage_estimator", "group_norm", "--n_samples_per_prompt", str(args.n),
-            "--rollout_batch_size", str(args.prompts), "--micro_rollout_batch_size", str(args.prompts * args.n),
+            "--rollout_batch_size", str(args.prompts), "--micro_rollout_batch_size", str(args.micro_rollout),
             "--train_batch_size", str(args.prompts * args.n), "--micro_train_batch_size", str(args.micro),
             "--generate_max_len", str(args.max_len), "--prompt_max_len", "64", "--temperature", "1.0",
             "--actor_learning_rate", str(args.lr), "--lr_scheduler", "constant_with_warmup", "--lr_warmup_ratio", "0",
@@ -169,6 +169,8 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step (rollout_batch_size)")
     parser.add_argument("--n", type=int, default=4, help="samples per prompt")
     parser.add_argument("--micro", type=int, default=16, help="micro_train_batch_size")
+    parser.add_argument("--micro_rollout", type=int, default=16,
+                        help="rlmesh micro_rollout_batch_size: samples per Score / LogProbs call (pipelining grain)")
     parser.add_argument("--max_len", type=int, default=32, help="generate_max_len / max_completion_length")
     parser.add_argument("--lr", type=float, default=1e-5, help="learning rate")
     parser.add_argument("--beta", type=float, default=0.001, help="KL coefficient (k3, as a loss)")
@@ -205,6 +207,9 @@ def print_rlmesh(args, records: list[dict]) -> float:
         print(f"{phase:<28}{seconds:>10.3f}{seconds / step:>9.1%}")
     overhead = mean(records, "time/overhead_s")
     cpu = mean(records, "time/coordinator_cpu_s")
+    calls = ", ".join(f"{what} {mean(records, f'rpc/{what}_s'):.3f}" for what in ("score", "logprobs", "ref_logprobs")
+                      if mean(records, f"rpc/{what}_s"))
+    print(f"{'  (summed call time: ' + calls + ')':<28}")
     print(f"{'outside the phases':<28}{overhead:>10.3f}{overhead / step:>9.1%}")
     print(f"{'step (wall)':<28}{step:>10.3f}{1:>9.0%}")
     print(f"{'coordinator CPU':<28}{cpu:>10.3f}{cpu / step:>9.1%}")

@@ -265,9 +265,10 @@ class CoordinatorConfig(ServerConfig):
             raise ConfigError(f"--reward_func {self.reward_func} compares answers with labels; "
                               "set --label_key to the data field holding the answer")
         self.reward_model_needed = bool(self.reward_pretrain)
-        if self.normalize_reward and self.reward_pretrain and self.placement == "local":
-            model_config = pathlib.Path(self.reward_pretrain) / "config.json"
-            stats = json.loads(model_config.read_text()) if model_config.is_file() else {}
+        model_config = pathlib.Path(self.reward_pretrain) / "config.json"
+        # Readable here for local runs and usually for Ray (shared storage); else the service decides.
+        if self.normalize_reward and self.reward_pretrain and self.placement != "static" and model_config.is_file():
+            stats = json.loads(model_config.read_text())
             if "mean" not in stats or "std" not in stats:
                 # OpenRLHF reads mean 0 / std 1 then, i.e. no normalisation; say so instead of failing.
                 warnings.warn(f"--normalize_reward: {model_config} stores no reward 'mean' / 'std', so there is "

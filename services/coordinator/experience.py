@@ -1,11 +1,16 @@
 """One step's samples, from the moment each arrives until the batch is ready to train on.
 
-`StepCollector.add` receives every generated sample as it streams in and starts the work it
-needs as soon as a micro-batch is full: Score on the reward service, and, once a sample's group
-is known to be kept (at once without dynamic filtering), RefLogProbs, LogProbs and Values. So
-scoring and log-probs run while generation continues. `finish` sends the last partial
-micro-batches and waits for everything; `kept_samples` returns the samples of whole, kept groups
-in a fixed order (prompt order, then sample index), independent of arrival order.
+The prompts of a step are registered in dispatch order (`expect`) and cut into fixed micro-batches
+of consecutive prompts (about micro_rollout_batch_size samples each). As samples stream in
+(`add`), a micro-batch whose samples have all arrived is sent at once to Score on the reward
+service, and, once its groups are known to be kept (at once without dynamic filtering), to
+RefLogProbs, LogProbs and Values. So scoring and log-probs run while generation continues, and yet
+which samples share a call never depends on arrival order: padded batches give results that
+differ in the last bits with their company, and Adam turns such bits into different updates, so
+a fixed grouping is what makes a step reproducible (and a resumed run equal an uninterrupted one).
+
+`finish` waits for all the work; `kept_samples` returns the samples of kept groups in prompt
+order, then sample index.
 """
 
 from __future__ import annotations
@@ -53,50 +58,67 @@ class Sample:
         return len(self.prompt.token_ids)
 
 
+@dataclasses.dataclass
+class _MicroBatch:
+    uids: list[str]  # consecutive prompts in dispatch order
+    scored: bool = False  # Score sent
+    logprobs_sent: bool = False
+
+
 class StepCollector:
-    """Collects one step's samples and runs the per-sample RPCs in micro-batches as they arrive."""
+    """Collects one step's samples and runs the per-sample RPCs in fixed micro-batches as they arrive."""
 
     def __init__(self, n_samples_per_prompt: int, micro_batch: int, score: ScoreFn, logprobs: LogprobFn,
                  keep_group: Callable[[list[float]], bool] | None = None, defer_logprobs: bool = False):
         self.n = n_samples_per_prompt
-        self.micro_batch = micro_batch
+        self.prompts_per_batch = max(1, micro_batch // n_samples_per_prompt)
         self._score, self._logprobs = score, logprobs
         self.keep_group = keep_group  # None: every group is kept (no dynamic filtering)
         self.defer_logprobs = defer_logprobs  # colocation: the learner is asleep during generation
         self.groups: dict[str, list[Sample | None]] = {}
         self.prompt_order: list[str] = []
-        self.kept: list[str] = []  # prompt uids of kept groups, in the order they were decided
+        self.kept: list[str] = []  # prompt uids of kept groups
         self.dropped: list[str] = []
-        self._score_queue: list[Sample] = []
-        self._logprob_queue: list[Sample] = []
+        self._batches: list[_MicroBatch] = []
+        self._batch_of: dict[str, _MicroBatch] = {}
         self._tasks: set[asyncio.Task] = set()
         self._errors: list[BaseException] = []
         self.generated_tokens = 0
 
     # ---- arrival ----
+    def expect(self, prompts: list[Prompt]) -> None:
+        """Registers prompts about to be generated (in dispatch order) and their micro-batches."""
+        uids = [p.uid for p in prompts]
+        for uid in uids:
+            self.groups[uid] = [None] * self.n
+        self.prompt_order += uids
+        for i in range(0, len(uids), self.prompts_per_batch):
+            batch = _MicroBatch(uids[i:i + self.prompts_per_batch])
+            self._batches.append(batch)
+            self._batch_of.update({uid: batch for uid in batch.uids})
+
     def add(self, sample: Sample) -> None:
         uid = sample.prompt.uid
         if uid not in self.groups:
-            self.groups[uid] = [None] * self.n
-            self.prompt_order.append(uid)
+            raise KeyError(f"sample {sample.sample_id} belongs to no prompt of this step")
         self.groups[uid][sample.index] = sample
         self.generated_tokens += len(sample.response_ids)
-        self._score_queue.append(sample)
-        if self.keep_group is None:
-            self._logprob_queue.append(sample)
-        self._flush(final=False)
+        batch = self._batch_of[uid]
+        if not batch.scored and all(s is not None for u in batch.uids for s in self.groups[u]):
+            batch.scored = True
+            self._spawn(self._score_then_filter(batch))
+            if self.keep_group is None and not self.defer_logprobs:
+                # Nothing to wait for: log-probs and values run alongside the scoring.
+                self._send_logprobs(batch)
 
     def forget_prompt(self, prompt: Prompt) -> None:
         """Drops a prompt's samples before it is generated again (after an engine failure).
 
-        Work already started on them finishes on objects no longer referenced here, so its results
-        are ignored.
+        Its micro-batch cannot have been sent yet: that needs every one of its samples.
         """
-        self.groups.pop(prompt.uid, None)
-        self._score_queue = [s for s in self._score_queue if s.prompt.uid != prompt.uid]
-        self._logprob_queue = [s for s in self._logprob_queue if s.prompt.uid != prompt.uid]
+        self.groups[prompt.uid] = [None] * self.n
 
-    # ---- micro-batches ----
+    # ---- work ----
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
@@ -107,59 +129,50 @@ class StepCollector:
         if not task.cancelled() and task.exception() is not None:
             self._errors.append(task.exception())
 
-    def _flush(self, final: bool) -> None:
-        while len(self._score_queue) >= self.micro_batch or (final and self._score_queue):
-            batch, self._score_queue = self._score_queue[:self.micro_batch], self._score_queue[self.micro_batch:]
-            self._spawn(self._score_then_filter(batch))
-        if self.defer_logprobs and not final:
-            return
-        while len(self._logprob_queue) >= self.micro_batch or (final and self._logprob_queue):
-            batch, self._logprob_queue = (self._logprob_queue[:self.micro_batch],
-                                          self._logprob_queue[self.micro_batch:])
-            self._spawn(self._logprobs(batch))
+    def _samples(self, uids: list[str]) -> list[Sample]:
+        return [s for uid in uids for s in self.groups[uid]]
 
-    async def _score_then_filter(self, batch: list[Sample]) -> None:
-        await self._score(batch)
-        if self.keep_group is None:
+    async def _score_then_filter(self, batch: _MicroBatch) -> None:
+        await self._score(self._samples(batch.uids))
+        if self.keep_group is not None:
+            for uid in batch.uids:
+                (self.kept if self.keep_group([s.reward for s in self.groups[uid]]) else self.dropped).append(uid)
+        if not self.defer_logprobs:
+            self._send_logprobs(batch)
+
+    def _send_logprobs(self, batch: _MicroBatch) -> None:
+        if batch.logprobs_sent:
             return
-        for uid in dict.fromkeys(s.prompt.uid for s in batch):
-            group = self.groups.get(uid)
-            if group is None or uid in self.kept or uid in self.dropped:
-                continue
-            if all(s is not None and s.reward is not None for s in group):
-                if self.keep_group([s.reward for s in group]):
-                    self.kept.append(uid)
-                    self._logprob_queue.extend(group)
-                else:
-                    self.dropped.append(uid)
-        self._flush(final=False)
+        batch.logprobs_sent = True
+        uids = [u for u in batch.uids if self.keep_group is None or u in self.kept]
+        if uids:
+            self._spawn(self._logprobs(self._samples(uids)))
 
     def raise_errors(self) -> None:
         if self._errors:
             raise self._errors[0]
 
-    async def wait_scores(self) -> None:
-        """Sends the partial score batch and waits until every sample received so far is scored
-        (and, with dynamic filtering, every complete group is decided)."""
-        self._flush_scores_only()
+    async def _drain(self) -> None:
         while self._tasks:
             await asyncio.wait(set(self._tasks), return_when=asyncio.FIRST_EXCEPTION)
             self.raise_errors()
-            self._flush_scores_only()
+        self.raise_errors()
 
-    def _flush_scores_only(self) -> None:
-        while self._score_queue:
-            batch, self._score_queue = self._score_queue[:self.micro_batch], self._score_queue[self.micro_batch:]
-            self._spawn(self._score_then_filter(batch))
+    async def wait_scores(self) -> None:
+        """Waits until every micro-batch received so far is scored (and, with dynamic filtering,
+        every group of it decided)."""
+        await self._drain()
 
     async def finish(self) -> None:
-        """Sends every partial micro-batch and waits for all the work of the step."""
-        self._flush(final=True)
-        while self._tasks:
-            await asyncio.wait(set(self._tasks), return_when=asyncio.FIRST_EXCEPTION)
-            self.raise_errors()
-            self._flush(final=True)
-        self.raise_errors()
+        """Waits for all the work of the step; deferred log-probs are sent now, in order."""
+        await self._drain()
+        incomplete = [b for b in self._batches if not b.scored]
+        if incomplete:
+            missing = [u for b in incomplete for u in b.uids if any(s is None for s in self.groups[u])]
+            raise RuntimeError(f"samples of prompts {missing[:5]} never arrived")
+        for batch in self._batches:
+            self._send_logprobs(batch)
+        await self._drain()
 
     async def cancel(self) -> None:
         for task in list(self._tasks):
@@ -169,21 +182,13 @@ class StepCollector:
     # ---- results ----
     def kept_uids(self) -> list[str]:
         if self.keep_group is None:
-            return [uid for uid in self.prompt_order if uid in self.groups]
-        return list(self.kept)
+            return list(self.prompt_order)
+        kept = set(self.kept)
+        return [uid for uid in self.prompt_order if uid in kept]
 
     def kept_samples(self, max_groups: int | None = None) -> list[Sample]:
         """Samples of the kept groups, in prompt order then sample index; at most max_groups groups."""
-        order = {uid: i for i, uid in enumerate(self.prompt_order)}
-        uids = sorted(self.kept_uids(), key=order.__getitem__)[:max_groups]
-        samples = []
-        for uid in uids:
-            group = self.groups[uid]
-            missing = [i for i, s in enumerate(group) if s is None]
-            if missing:
-                raise RuntimeError(f"prompt {uid}: samples {missing} never arrived")
-            samples.extend(group)
-        return samples
+        return self._samples(self.kept_uids()[:max_groups])
 
     def all_samples(self) -> list[Sample]:
-        return [s for uid in self.prompt_order if uid in self.groups for s in self.groups[uid] if s is not None]
+        return [s for uid in self.prompt_order for s in self.groups[uid] if s is not None]

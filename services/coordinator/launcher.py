@@ -5,13 +5,13 @@ The local placement and the Ray actors both use this: `python -m services.<name>
 once it has written the ready file (with the port it bound) and reports SERVING over
 grpc.health.v1. Stopping sends SIGTERM (the service drains in-flight calls), then SIGKILL to the
 whole process group after a grace period, so engine subprocesses (vLLM's engine core, learner
-ranks) never outlive the run. On Linux each child also gets SIGTERM if this process dies first.
+ranks) never outlive the run. On Linux each child also gets SIGTERM if this process dies first
+(PR_SET_PDEATHSIG, set by a two-line prelude in the child before it becomes the service).
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
 import json
 import os
@@ -26,20 +26,26 @@ from services.common.log import get_logger, log_event
 
 _log = get_logger("coordinator")
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-_PR_SET_PDEATHSIG = 1
 
 
 class ServiceStartError(RuntimeError):
     """A service process exited or did not become ready; the message quotes its log."""
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the parent dies (Linux), and its own process group."""
-    os.setsid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: the coordinator's own shutdown path still stops the child
+# Run as `python -c _DIE_WITH_PARENT <parent pid> -m services.x ...`: asks the kernel for SIGTERM
+# when the parent dies, then becomes the service. Doing this in the child's own interpreter (not in
+# a preexec_fn) keeps Popen on vfork: a forked child of a process with live gRPC channels can crash
+# before exec (grpc/grpc#43055).
+_DIE_WITH_PARENT = """
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+except OSError:
+    pass  # not Linux: the coordinator's own shutdown path still stops the child
+if os.getppid() != int(sys.argv[1]):
+    sys.exit("the coordinator exited before this service started")
+os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
+"""
 
 
 def log_tail(path: pathlib.Path, lines: int = 30) -> str:
@@ -96,6 +102,7 @@ def spawn_service(name: str, module: str, argv: list[str], log_dir: pathlib.Path
     ready_file.unlink(missing_ok=True)
     log_path = log_dir / f"{name}.log"
     command = [sys.executable, "-m", module, "--host", host, "--port", "0", "--ready_file", str(ready_file), *argv]
+    launch = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command[1:]]
     child_env = {**os.environ, **(env or {})}
     # The service imports `services` and the generated `rlmesh` package from the repository.
     child_env["PYTHONPATH"] = os.pathsep.join(
@@ -103,8 +110,9 @@ def spawn_service(name: str, module: str, argv: list[str], log_dir: pathlib.Path
     with open(log_path, "ab") as log_file:
         log_file.write(f"$ {' '.join(command)}\n".encode())
         log_file.flush()
-        process = subprocess.Popen(command, cwd=str(REPO_ROOT), env=child_env, stdin=subprocess.DEVNULL,
-                                   stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        # Its own session: a Ctrl-C on the terminal reaches the coordinator, which stops the services.
+        process = subprocess.Popen(launch, cwd=str(REPO_ROOT), env=child_env, stdin=subprocess.DEVNULL,
+                                   stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     log_event(_log, "service.spawned", service=name, pid=process.pid, log=str(log_path))
     return ServiceProcess(name, module, process, log_path, ready_file)
 

@@ -52,6 +52,7 @@ def plot_run(run_dir: pathlib.Path, keys: list[str] | None = None) -> list[pathl
 
     matplotlib.use("Agg")  # files only; no display needed
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     records = read_metrics(run_dir)
     if not records:
@@ -72,6 +73,7 @@ def plot_run(run_dir: pathlib.Path, keys: list[str] | None = None) -> list[pathl
             ax.plot(steps, values, marker="o" if len(steps) < 30 else None)
             ax.set_title(key)
             ax.set_xlabel("global step")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(out_dir / "summary.png", dpi=110)
@@ -83,6 +85,7 @@ def plot_run(run_dir: pathlib.Path, keys: list[str] | None = None) -> list[pathl
         ax.plot(steps, values, marker="o" if len(steps) < 30 else None)
         ax.set_title(key)
         ax.set_xlabel("global step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         fig.tight_layout()
         path = out_dir / f"{_safe_name(key)}.png"

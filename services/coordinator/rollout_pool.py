@@ -40,6 +40,18 @@ class Engine:
     weight_version: int = 0
 
 
+async def gather_or_cancel(calls) -> list:
+    """gather(), but the first failure cancels the other calls instead of leaving them running."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 def chunk_seed(seed: int, step: int, round_index: int, chunk_index: int) -> int:
     """A 31-bit seed for one Generate call, fixed by where the chunk sits in the run."""
     digest = hashlib.blake2b(f"{seed}/{step}/{round_index}/{chunk_index}".encode(), digest_size=4).digest()
@@ -124,7 +136,7 @@ class RolloutPool:
             finally:
                 engine.outstanding -= remaining
 
-        await asyncio.gather(*(run_chunk(i, chunk) for i, chunk in pending))
+        await gather_or_cancel([run_chunk(i, chunk) for i, chunk in pending])
 
     async def model_infos(self) -> list[rollout_pb2.GetModelInfoResponse]:
         return list(await asyncio.gather(*(e.stub.GetModelInfo(rollout_pb2.GetModelInfoRequest(), timeout=60.0)

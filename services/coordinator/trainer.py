@@ -43,7 +43,7 @@ from services.coordinator.data import PromptStream
 from services.coordinator.experience import Sample, StepCollector
 from services.coordinator.metrics import MetricsLog
 from services.coordinator.placement import Endpoints
-from services.coordinator.rollout_pool import RolloutPool
+from services.coordinator.rollout_pool import RolloutPool, gather_or_cancel
 from services.reward.client import ReferenceClient, RewardClient
 from services.reward.source import ScoreBatch
 
@@ -103,9 +103,10 @@ class Trainer:
         self.weights_dtype = common_pb2.DTYPE_FLOAT32
         self.engine_tp: list[int] = []
         self.learner_info: learner_pb2.GetInfoResponse | None = None
-        self.sleeping = False  # rollout engines asleep (--vllm_enable_sleep)
+        self.asleep: set[str] = set()  # what the rollout engines have put to sleep: weights, kv_cache
         self._sleep_supported = cfg.vllm_enable_sleep
         self.learner_offloaded = False  # learner states in host memory (--deepspeed_enable_sleep)
+        self._rpc_seconds: dict[str, float] = {}
 
     async def close(self) -> None:
         closers = [self.pool.close(), self.learner_channel.close()]
@@ -218,7 +219,7 @@ class Trainer:
                 backend=BACKENDS[backend], master_address=host, master_port=port, world_size=world_size,
                 rank_offset=offset, group_name=group, timeout_s=300.0), timeout=360.0))
             offset += tp
-        await _gather_or_cancel(calls)
+        await gather_or_cancel(calls)
         log_event(_log, "weights.group_ready", backend=backend, master=f"{host}:{port}", world_size=world_size)
 
     # ------------------------------------------------------------------------------------------
@@ -229,8 +230,10 @@ class Trainer:
         t0 = time.monotonic()
         version = max([self.state.weight_version, self.learner_info.weight_version if self.learner_info else 0]
                       + [e.weight_version for e in self.pool.engines]) + 1
-        if self.sleeping:
+        if "weights" in self.asleep:
+            # Only the weights: the KV cache stays freed until the next generation (colocation).
             await self.pool.wake_up(("weights",))
+            self.asleep.discard("weights")
         requests: asyncio.Queue = asyncio.Queue()
         await requests.put(learner_pb2.PushWeightsRequest(start=learner_pb2.PushWeightsStart(
             version=version, weights_dtype=self.weights_dtype)))
@@ -249,7 +252,7 @@ class Trainer:
             async for message in call:
                 if message.HasField("chunk"):
                     update = message.chunk.update
-                    replies = await _gather_or_cancel([e.stub.UpdateWeights(update, timeout=self.config.rpc_timeout_s)
+                    replies = await gather_or_cancel([e.stub.UpdateWeights(update, timeout=self.config.rpc_timeout_s)
                                                        for e in self.pool.engines])
                     await requests.put(learner_pb2.PushWeightsRequest(
                         ack=learner_pb2.PushWeightsAck(chunk_index=update.chunk_index)))
@@ -301,12 +304,21 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     # Per-sample RPCs
 
+    async def _timed(self, what: str, call: Awaitable):
+        t0 = time.monotonic()
+        try:
+            return await call
+        finally:
+            self._rpc_seconds[what] += time.monotonic() - t0
+
     async def _score(self, samples: list[Sample]) -> None:
         batch = ScoreBatch(queries=["" for _ in samples], prompts=[s.prompt.text for s in samples],
                            responses=[s.text for s in samples], labels=[s.prompt.label for s in samples],
                            sample_ids=[s.sample_id for s in samples],
                            data_sources=[s.prompt.datasource for s in samples])
+        t0 = time.monotonic()
         result = await self.rewards.call(lambda c: c.score(batch, request_id=f"step{self.state.global_step + 1}"))
+        self._rpc_seconds["score"] += time.monotonic() - t0
         for i, s in enumerate(samples):
             s.reward, s.score = float(result.rewards[i]), float(result.scores[i])
             s.extra = {k: float(v[i]) for k, v in result.extra.items()}
@@ -318,14 +330,15 @@ class Trainer:
         input_ids = ragged_to_proto(sequences, torch.int32)
         response_start = to_proto(torch.tensor(starts, dtype=torch.int64))
         request_id = f"step{self.state.global_step + 1}"
-        calls: list[Awaitable] = [self.learner.LogProbs(learner_pb2.LogProbsRequest(
-            input_ids=input_ids, response_start=response_start, temperature=cfg.temperature, request_id=request_id))]
+        calls: list[Awaitable] = [self._timed("logprobs", self.learner.LogProbs(learner_pb2.LogProbsRequest(
+            input_ids=input_ids, response_start=response_start, temperature=cfg.temperature, request_id=request_id)))]
         if self.use_ref:
-            calls.append(self.references.call(lambda c: c.ref_logprobs(sequences, starts, cfg.temperature, request_id)))
+            calls.append(self._timed("ref_logprobs", self.references.call(
+                lambda c: c.ref_logprobs(sequences, starts, cfg.temperature, request_id))))
         if self.use_critic:
-            calls.append(self.learner.Values(learner_pb2.ValuesRequest(
-                input_ids=input_ids, response_start=response_start, request_id=request_id)))
-        results = await _gather_or_cancel(calls)
+            calls.append(self._timed("values", self.learner.Values(learner_pb2.ValuesRequest(
+                input_ids=input_ids, response_start=response_start, request_id=request_id))))
+        results = await gather_or_cancel(calls)
         old = ragged_from_proto(results[0].logprobs, "LogProbs.logprobs")
         ref = results[1] if self.use_ref else None
         values = ragged_from_proto(results[-1].values, "Values.values") if self.use_critic else None
@@ -366,6 +379,7 @@ class Trainer:
             if progress is not None:
                 progress.update(1)
 
+        collector.expect(prompts)
         await self.pool.generate(prompts, cfg.n_samples_per_prompt, self._sampling(), expected, cfg.seed, step, 0,
                                  on_sample, on_retry=collector.forget_prompt)
         rounds = 0
@@ -382,6 +396,7 @@ class Trainer:
                 consumed += len(more)
                 if progress is not None:
                     progress.total += len(more) * cfg.n_samples_per_prompt
+                collector.expect(more)
                 await self.pool.generate(more, cfg.n_samples_per_prompt, self._sampling(), expected, cfg.seed, step,
                                          rounds, on_sample, on_retry=collector.forget_prompt)
                 await collector.wait_scores()
@@ -392,6 +407,8 @@ class Trainer:
         cfg = self.config
         times: dict[str, float] = {}
         t_step, cpu_step = time.monotonic(), time.process_time()
+        # Summed durations of the per-sample calls (they overlap each other and generation).
+        self._rpc_seconds = {"score": 0.0, "logprobs": 0.0, "ref_logprobs": 0.0, "values": 0.0}
         keep = None
         if cfg.dynamic_filtering:
             low, high = cfg.dynamic_filtering_reward_range
@@ -403,9 +420,9 @@ class Trainer:
             # ---- generate (scoring and log-probs run alongside) ----
             self.control.set_phase(cpb.PHASE_GENERATING)
             t0 = time.monotonic()
-            if self.sleeping:
-                await self.pool.wake_up()
-                self.sleeping = False
+            if self.asleep:
+                await self.pool.wake_up(tuple(sorted(self.asleep)))
+                self.asleep.clear()
             gen = await self._generate(collector, step, progress)
             if not gen:
                 return None
@@ -452,7 +469,7 @@ class Trainer:
     async def _sleep_rollout(self) -> None:
         try:
             await self.pool.sleep(level=1)
-            self.sleeping = True
+            self.asleep = {"weights", "kv_cache"}
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
@@ -518,7 +535,7 @@ class Trainer:
                 batch=self._experience(batch, actor=False), value_clip=cfg.value_clip, max_epochs=cfg.max_epochs,
                 loss_aggregation=learner_pb2.LOSS_AGGREGATION_TOKEN_MEAN, shuffle_seed=seed,
                 request_id=f"step{step}"), timeout=cfg.rpc_timeout_s))
-        replies = await _gather_or_cancel(calls)
+        replies = await gather_or_cancel(calls)
         actor = replies[0]
         out = {"actor/policy_loss": actor.policy_loss, "actor/kl_loss": actor.kl_loss, "actor/entropy": actor.entropy,
                "actor/clip_ratio": actor.clip_ratio, "actor/ppo_kl": actor.ppo_kl, "actor/grad_norm": actor.grad_norm,
@@ -567,6 +584,9 @@ class Trainer:
             prom.FILTERED_PROMPTS.inc(len(collector.dropped))
         m.update(train_metrics)
         m.update(push_metrics)
+        for what, seconds in self._rpc_seconds.items():
+            if seconds:
+                m[f"rpc/{what}_s"] = seconds
         for phase, seconds in times.items():
             m[f"time/{phase}_s"] = seconds
             if phase != "coordinator_cpu":
@@ -641,18 +661,6 @@ class Trainer:
             await self._reload_learner()
             await self.learner.ExportHF(learner_pb2.ExportHFRequest(output_dir=cfg.save_path), timeout=cfg.rpc_timeout_s)
             log_event(_log, "model.exported", path=cfg.save_path)
-
-
-async def _gather_or_cancel(calls) -> list:
-    """gather(), but the first failure cancels the other calls instead of leaving them running."""
-    tasks = [asyncio.ensure_future(c) for c in calls]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
 
 
 def _progress_bar(config, step: int, total_steps: int):

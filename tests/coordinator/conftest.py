@@ -11,6 +11,7 @@ import time
 
 import grpc
 import pytest
+import torch
 
 from rlmesh.coordinator.v1 import coordinator_pb2_grpc
 
@@ -19,8 +20,10 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 def service_env() -> dict[str, str]:
     env = dict(os.environ)
-    env.update(DS_ACCELERATOR="cpu", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
-               RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="offline")
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", RAY_USAGE_STATS_ENABLED="0",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="offline")
+    if not torch.cuda.is_available():
+        env["DS_ACCELERATOR"] = "cpu"
     return env
 
 

@@ -1,7 +1,5 @@
 """The coordinator's flags: the seed documents' commands parse, contradictions fail with a fix."""
 
-import warnings
-
 import pytest
 
 from services.common.config import ConfigError, build_parser, config_from_args
