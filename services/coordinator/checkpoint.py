@@ -22,6 +22,8 @@ import os
 import pathlib
 import shutil
 
+from services.common.durable import write_atomic
+
 LATEST = "latest"
 STATE_FILE = "coordinator.json"
 FORMAT_VERSION = 1
@@ -74,25 +76,6 @@ class CoordinatorState:
                              "it was written by another rlmesh version")
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in raw.items() if k in known})
-
-
-def _fsync_dir(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: pathlib.Path, text: str) -> None:
-    """Writes text to path so a reader sees the old or the new content, never a mix (tmp, fsync, rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def commit(ckpt_path: str | os.PathLike, state: CoordinatorState, max_ckpt_num: int) -> pathlib.Path:

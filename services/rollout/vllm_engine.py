@@ -96,6 +96,9 @@ class VllmEngine(Engine):
     def __init__(self, config: RolloutConfig):
         self.config = config
         self.llm = AsyncLLM.from_engine_args(engine_args(config))
+        # What sleep() released and wake_up() has not restored yet: vLLM's allocator fails when asked
+        # to wake a tag that is already awake, and WakeUp is documented as safe to repeat.
+        self.asleep_tags: set[str] = set()
         model_config = self.llm.model_config
         self.facts = ModelFacts(
             model_name=config.model_name,
@@ -194,11 +197,15 @@ class VllmEngine(Engine):
     async def sleep(self, level: int) -> int:
         before = await self.llm.collective_rpc("rlmesh_device_memory")
         await self.llm.sleep(level=level)
+        self.asleep_tags = {"weights", "kv_cache"}
         after = await self.llm.collective_rpc("rlmesh_device_memory")
         return sum(a[0] - b[0] for a, b in zip(after, before))
 
     async def wake_up(self, tags: list[str]) -> bool:
-        await self.llm.wake_up(tags=tags or None)
+        to_wake = (set(tags) if tags else {"weights", "kv_cache"}) & self.asleep_tags
+        if to_wake:
+            await self.llm.wake_up(tags=sorted(to_wake))
+            self.asleep_tags -= to_wake
         return not await self.llm.is_sleeping()
 
     async def shutdown(self) -> None:
