@@ -149,6 +149,19 @@ class CoordinatorConfig(ServerConfig):
     apply_chat_template: bool = opt(False, "format prompts with the tokenizer's chat template")
     input_template: str = opt("", "format string with {} for the prompt, e.g. 'Question: {}\\nAnswer:'")
 
+    # ---- evaluation during training (the computation of `rlmesh eval`) ----------------------------
+    eval_dataset: str = opt("", "held-out labelled prompts (JSONL / Parquet / Arrow files or save_to_disk folders, "
+                            "comma separated; same --input_key / --label_key as the training data), evaluated on "
+                            "the rollout engines' current weights; empty = no evaluation")
+    eval_steps: int = opt(-1, "with --eval_dataset: evaluate before the first step, every N global steps and at "
+                          "the end (a large N: only first and last); <= 0 = no evaluation")
+    eval_max_samples: int = opt(1_000_000_000, "evaluate at most this many prompts (the first ones of --eval_dataset)")
+    eval_n_samples_per_prompt: int = opt(1, "samples per evaluation prompt: eval/pass@1 is their mean, "
+                                         "eval/pass@N is reported when N > 1")
+    eval_temperature: float = opt(0.0, "sampling temperature of the evaluation; 0 = greedy")
+    eval_pass_reward: float = opt(1.0, "an evaluation sample counts as solved at this reward or more, unless the "
+                                  "reward source reports its own verdict (the math rule's accuracy)")
+
     # ---- logging ------------------------------------------------------------------------------
     use_wandb: str = opt("", "Weights & Biases: an API key, 'offline', or 'True' (use the saved login); empty = off")
     wandb_org: str = opt("", "W&B entity")
@@ -207,6 +220,7 @@ class CoordinatorConfig(ServerConfig):
         self._check_placement_counts()
         self._check_batches()
         self._check_objective()
+        self._check_eval()
         self._check_gpu_only_flags()
 
     def _resolve_placement(self) -> None:
@@ -385,6 +399,34 @@ class CoordinatorConfig(ServerConfig):
         if not self.critic_needed and (self.critic_pretrain or self.save_value_network):
             warnings.warn(f"--advantage_estimator {self.advantage_estimator} trains no critic; "
                           "--critic_pretrain / --save_value_network are ignored", stacklevel=2)
+
+    def eval_enabled(self) -> bool:
+        return bool(self.eval_dataset) and self.eval_steps > 0
+
+    def _check_eval(self) -> None:
+        if self.eval_dataset and self.eval_steps <= 0:
+            warnings.warn(f"--eval_dataset is given but --eval_steps is {self.eval_steps}: no evaluation; set "
+                          "--eval_steps N to evaluate every N steps (plus before the first and after the last)",
+                          stacklevel=2)
+        if self.eval_steps > 0 and not self.eval_dataset:
+            warnings.warn(f"--eval_steps {self.eval_steps} without --eval_dataset: no evaluation; give "
+                          "--eval_dataset FILE with held-out labelled prompts", stacklevel=2)
+        if not self.eval_enabled():
+            return
+        # The coordinator reads the evaluation prompts itself, wherever the services run.
+        for path in (p.strip() for p in self.eval_dataset.split(",")):
+            if path and not pathlib.Path(path).exists():
+                raise ConfigError(f"--eval_dataset {path}: no such file or folder; give a local JSONL / Parquet / "
+                                  "Arrow file or save_to_disk folder (rlmesh does not download data)")
+        if self.eval_max_samples < 1:
+            raise ConfigError(f"--eval_max_samples {self.eval_max_samples} must be >= 1")
+        if self.eval_n_samples_per_prompt < 1:
+            raise ConfigError(f"--eval_n_samples_per_prompt {self.eval_n_samples_per_prompt} must be >= 1")
+        if self.eval_temperature < 0:
+            raise ConfigError(f"--eval_temperature {self.eval_temperature} must be >= 0 (0 = greedy)")
+        if self.eval_n_samples_per_prompt > 1 and self.eval_temperature == 0:
+            raise ConfigError(f"--eval_n_samples_per_prompt {self.eval_n_samples_per_prompt} with --eval_temperature "
+                              "0 gives identical samples; set --eval_temperature (e.g. 0.6) or use one sample")
 
     def _check_gpu_only_flags(self) -> None:
         if self.device != "auto":

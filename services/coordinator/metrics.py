@@ -50,6 +50,25 @@ _GAUGES = {
     "throughput/tokens_per_s": ("rlmesh_coordinator_tokens_per_second", "Generated tokens per second over the step"),
 }
 GAUGES = {key: prometheus_client.Gauge(name, help_text) for key, (name, help_text) in _GAUGES.items()}
+# Evaluation on --eval_dataset (JSONL eval/pass@K, eval/response_length, eval/<datasource>/...).
+EVAL_PASS = prometheus_client.Gauge("rlmesh_coordinator_eval_pass_ratio",
+                                    "Latest evaluation's pass@k on --eval_dataset (datasource=all: every prompt)",
+                                    ["k", "datasource"])
+EVAL_RESPONSE_LENGTH = prometheus_client.Gauge("rlmesh_coordinator_eval_response_length_tokens",
+                                               "Latest evaluation's mean response length, tokens", ["datasource"])
+
+
+def _export_eval(record: dict) -> None:
+    """Sets the evaluation gauges from a record's eval/ keys."""
+    for key, value in record.items():
+        if not key.startswith("eval/"):
+            continue
+        datasource, _, name = key.removeprefix("eval/").rpartition("/")
+        datasource = datasource or "all"
+        if name.startswith("pass@"):
+            EVAL_PASS.labels(name.removeprefix("pass@"), datasource).set(value)
+        elif name == "response_length":
+            EVAL_RESPONSE_LENGTH.labels(datasource).set(value)
 
 
 def _finite(value) -> float | None:
@@ -122,6 +141,7 @@ class MetricsLog:
         for key, gauge in GAUGES.items():
             if key in record:
                 gauge.set(record[key])
+        _export_eval(record)
         if self.tensorboard is not None:
             for key, value in record.items():
                 if key not in ("global_step", "unix_time"):

@@ -33,8 +33,9 @@ def read_metrics(run_dir: pathlib.Path) -> list[dict]:
             continue
         numbers = {k: float(v) for k, v in raw.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("global_step", "step")}
-        # A resumed run may have rewritten steps: the last record of each step wins.
-        by_step[int(step)] = {"global_step": int(step), **numbers}
+        # A step may have several records (training, then an evaluation after the data ran out) and a
+        # resumed run may have rewritten steps: records merge, the last value of each metric wins.
+        by_step.setdefault(int(step), {"global_step": int(step)}).update(numbers)
     return [by_step[s] for s in sorted(by_step)]
 
 

@@ -4,12 +4,13 @@
     ray job submit --address=http://127.0.0.1:8265 -- python3 -m services.coordinator.train_ppo_ray \\
         --actor_num_nodes 1 --actor_num_gpus_per_node 8 --vllm_num_engines 4 ... --advantage_estimator group_norm
 
-Order of events: flags are validated; the prompt data is loaded and tokenized (bad data fails
-before any service starts); the control API starts (GetStatus, StreamMetrics, Pause, Resume,
-Stop on --port, Prometheus on --metrics_port); the services are placed or found; the run resumes
-from the latest checkpoint with --load_checkpoint; steps run; the final model is exported to
---save_path. Services this run started are stopped on every way out: the end, an error, Ctrl-C
-or SIGTERM.
+Order of events: flags are validated; the prompt data and any --eval_dataset are loaded and
+tokenized (bad data fails before any service starts); the control API starts (GetStatus,
+StreamMetrics, Pause, Resume, Stop on --port, Prometheus on --metrics_port); the services are
+placed or found; the run resumes from the latest checkpoint with --load_checkpoint; steps run
+(with --eval_dataset the rollout engines' current model is evaluated before the first step, every
+--eval_steps steps and after the last); the final model is exported to --save_path. Services
+this run started are stopped on every way out: the end, an error, Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ import sys  # noqa: E402
 import warnings  # noqa: E402
 
 from services.common.config import ConfigError, parse_config
+from services.common.datasets import DatasetError
 from services.common.log import get_logger, log_event
 from services.common.server import ServiceRunner
 from services.coordinator.config import CoordinatorConfig
 from services.coordinator.control import RunControl, add_to_runner
 from services.coordinator.data import build_prompt_stream
+from services.coordinator.evaluate import load_eval_prompts
 from services.coordinator.metrics import MetricsLog
 from services.coordinator.placement import LocalPlacement, StaticPlacement
 from services.coordinator.trainer import Trainer, new_state
@@ -67,11 +70,24 @@ def make_placement(config: CoordinatorConfig, run_dir: pathlib.Path, total_steps
     return RayPlacement(config, run_dir, total_steps)
 
 
-def write_plots(run_dir: pathlib.Path) -> None:
+def eval_prompts_of(config: CoordinatorConfig, tokenizer) -> list:
+    """--eval_dataset's prompts, formatted and length-filtered like the training prompts; [] = no evaluation."""
+    if not config.eval_enabled():
+        return []
+    try:
+        return load_eval_prompts(config.eval_dataset, tokenizer, config.input_key, config.label_key,
+                                 config.apply_chat_template, config.input_template, config.prompt_max_len,
+                                 config.eval_max_samples, config.seed)
+    except DatasetError as exc:
+        raise ConfigError(f"--eval_dataset: {exc}") from exc
+
+
+def write_plots(run_dir: pathlib.Path, evaluated: bool) -> None:
     from services.coordinator.plot import plot_run
 
+    keys = ["reward/mean", "kl/mean", "response_length/mean", "time/step_s"] + (["eval/pass@1"] if evaluated else [])
     try:
-        paths = plot_run(run_dir, ["reward/mean", "kl/mean", "response_length/mean", "time/step_s"])
+        paths = plot_run(run_dir, keys)
         log_event(_log, "run.plots", folder=str(paths[0].parent))
     except Exception as exc:  # noqa: BLE001 - plots are a convenience; `rlmesh plot` can redo them
         log_event(_log, "run.plots_skipped", reason=str(exc))
@@ -85,6 +101,7 @@ async def run(config: CoordinatorConfig) -> int:
     (run_dir / "config.json").write_text(json.dumps(vars(config), indent=1, sort_keys=True, default=str))
     tokenizer = AutoTokenizer.from_pretrained(config.pretrain)
     stream = build_prompt_stream(config, tokenizer)
+    eval_prompts = eval_prompts_of(config, tokenizer)
     total_steps = stream.total_steps(config.rollout_batch_size)
     if total_steps == 0:
         raise ConfigError(f"--rollout_batch_size {config.rollout_batch_size} is larger than the {len(stream)} "
@@ -116,12 +133,13 @@ async def run(config: CoordinatorConfig) -> int:
     trainer = None
     code = 0
     log_event(_log, "run.start", run_dir=str(run_dir), placement=config.placement, steps=total_steps,
-              prompts=len(stream), control=f"{config.host}:{runner.port}", metrics_port=runner.metrics_port)
+              prompts=len(stream), eval_prompts=len(eval_prompts), control=f"{config.host}:{runner.port}",
+              metrics_port=runner.metrics_port)
     try:
         endpoints = await placement.start()
         master = await placement.weight_sync_master(endpoints)
         trainer = Trainer(config, endpoints, control, stream, metrics=None, state=new_state(config, str(run_dir)),
-                          weight_sync_master=master)
+                          weight_sync_master=master, eval_prompts=eval_prompts)
         await trainer.setup(resume=config.load_checkpoint)
         trainer.metrics = MetricsLog(run_dir, config, resumed_step=trainer.state.global_step)
         control.attach_metrics(trainer.metrics)
@@ -146,7 +164,7 @@ async def run(config: CoordinatorConfig) -> int:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
     if control.metrics is not None and control.metrics.history:
-        write_plots(run_dir)
+        write_plots(run_dir, evaluated=any("eval/pass@1" in r for r in control.metrics.history))
     return code
 
 

@@ -6,6 +6,8 @@
                    -> TrainActor / TrainCritic
                    -> PushWeights -> UpdateWeights on every engine -> verify version + checksum
                    -> metrics -> checkpoint every --save_steps
+    with --eval_dataset: evaluation on the engines' current weights before the first step, after
+    every --eval_steps steps and after the last (services.coordinator.evaluate, as `rlmesh eval`)
 
 With --vllm_enable_sleep / --deepspeed_enable_sleep (colocated on GPUs) the phases run one
 after another instead: wake -> generate -> sleep -> reload -> log-probs, train -> push -> offload,
@@ -39,7 +41,8 @@ from services.coordinator import checkpoint
 from services.coordinator.checkpoint import CoordinatorState, config_digest
 from services.coordinator.config import CoordinatorConfig
 from services.coordinator.control import RunControl, ServiceEntry
-from services.coordinator.data import PromptStream
+from services.coordinator.data import Prompt, PromptStream
+from services.coordinator.evaluate import evaluate
 from services.coordinator.experience import Sample, StepCollector
 from services.coordinator.metrics import MetricsLog
 from services.coordinator.placement import Endpoints
@@ -86,10 +89,13 @@ class Trainer:
     """Runs the loop against services found at `endpoints`."""
 
     def __init__(self, config: CoordinatorConfig, endpoints: Endpoints, control: RunControl, stream: PromptStream,
-                 metrics: MetricsLog, state: CoordinatorState, weight_sync_master: tuple[str, int] | None = None):
+                 metrics: MetricsLog, state: CoordinatorState, weight_sync_master: tuple[str, int] | None = None,
+                 eval_prompts: list[Prompt] | None = None):
         self.config, self.endpoints, self.control = config, endpoints, control
         self.stream, self.metrics, self.state = stream, metrics, state
         self.weight_sync_master = weight_sync_master
+        self.eval_prompts = eval_prompts or []  # empty = no evaluation during training
+        self.last_eval_step = -1
         cfg = config
         self.pool = RolloutPool(endpoints.rollout, cfg.rpc_timeout_s, cfg.max_message_mb)
         self.rewards = _Balanced([RewardClient(a, timeout_s=cfg.rpc_timeout_s) for a in endpoints.reward])
@@ -608,6 +614,40 @@ class Trainer:
         return m
 
     # ------------------------------------------------------------------------------------------
+    # Evaluation on held-out prompts (--eval_dataset)
+
+    async def evaluate_step(self, step: int) -> dict:
+        """eval/pass@1, eval/pass@n, eval/response_length (overall and per data source) of the weights
+        the engines hold after `step`, computed exactly as `rlmesh eval` does.
+
+        Evaluation takes no prompts from the training stream and its generation seeds depend only on
+        --seed and the prompt chunk, so a run trains on the same samples with or without it.
+        """
+        cfg = self.config
+        self.control.set_phase(cpb.PHASE_GENERATING)
+        if self.asleep:
+            await self.pool.wake_up(tuple(sorted(self.asleep)))
+            self.asleep.clear()
+        sampling = rollout_pb2.SamplingOptions(temperature=cfg.eval_temperature, max_tokens=cfg.generate_max_len,
+                                               return_text=True)
+
+        def score(batch: ScoreBatch):
+            return self.rewards.call(lambda c: c.score(batch, request_id=f"eval{step}"))
+
+        metrics = await evaluate(self.pool, score, self.eval_prompts, cfg.eval_n_samples_per_prompt, sampling,
+                                 self.state.weight_version, cfg.seed, pass_reward=cfg.eval_pass_reward)
+        # Colocated: vLLM gives the memory back before the learner needs it again, as after generation.
+        if self._sleep_supported:
+            await self._sleep_rollout()
+        self.last_eval_step = step
+        n = cfg.eval_n_samples_per_prompt
+        log_event(_log, "eval.step", step=step, version=self.state.weight_version,
+                  pass_at_1=f"{metrics['eval/pass@1']:.4f}",
+                  **({f"pass_at_{n}": f"{metrics[f'eval/pass@{n}']:.4f}"} if n > 1 else {}),
+                  response_length=f"{metrics['eval/response_length']:.1f}", prompts=len(self.eval_prompts))
+        return metrics
+
+    # ------------------------------------------------------------------------------------------
     # Checkpoints and the loop
 
     async def save_checkpoint(self, step: int) -> dict:
@@ -633,6 +673,10 @@ class Trainer:
         c = self.control
         c.state = cpb.RUN_STATE_RUNNING
         step = self.state.global_step
+        if self.eval_prompts and step == 0:
+            # The start of the evaluation curve; a resumed run logged it before its checkpoint.
+            self.metrics.log(0, await self.evaluate_step(0))
+            c.set_phase(cpb.PHASE_IDLE)
         while True:
             await c.wait_while_paused()
             if c.stop_requested or (cfg.max_steps and step >= cfg.max_steps):
@@ -647,13 +691,20 @@ class Trainer:
                 metrics.update(await self.save_checkpoint(step))
             # The learner sleeps until the next step's log-probs (after any checkpoint).
             await self._offload_learner()
+            last = bool(c.total_steps and step >= c.total_steps) or bool(cfg.max_steps and step >= cfg.max_steps)
+            evaluating = bool(self.eval_prompts) and not c.stop_requested and (step % cfg.eval_steps == 0 or last)
+            if evaluating:
+                metrics.update(await self.evaluate_step(step))
             c.set_phase(cpb.PHASE_IDLE)
-            if step % cfg.logging_steps == 0 or c.stop_requested:
+            if step % cfg.logging_steps == 0 or c.stop_requested or evaluating:
                 self.metrics.log(step, metrics)
                 log_event(_log, "step.done", step=step, reward=f"{metrics['reward/mean']:.4f}",
                           kl=f"{metrics.get('kl/mean', 0.0):.5f}", step_s=f"{metrics['time/step_s']:.2f}",
                           version=self.state.weight_version)
         c.state = cpb.RUN_STATE_STOPPING
+        if self.eval_prompts and step > 0 and step != self.last_eval_step and not c.stop_requested:
+            # The data ran out before the planned last step (dynamic filtering refills use prompts up).
+            self.metrics.log(step, await self.evaluate_step(step))
         if step > c.last_checkpoint_step and step > 0 and not cfg.disable_ds_ckpt and \
                 (cfg.save_steps < 0 or (c.stop_requested and c.stop_checkpoint)):
             await self.save_checkpoint(step)
