@@ -94,7 +94,9 @@ class RayPlacement:
         self.learner_host: Placed | None = None
 
     # ---- the cluster ----
-    def _connect(self) -> None:
+    def connect(self) -> None:
+        """Joins (or starts) the Ray cluster. Call it before this process serves gRPC: ray.init forks
+        Ray's own servers, and a fork beside live gRPC threads can crash the child before it execs."""
         cfg = self.cfg
         if ray.is_initialized():
             return
@@ -211,7 +213,7 @@ class RayPlacement:
     # ---- start / stop ----
     async def start(self) -> Endpoints:
         cfg = self.cfg
-        self._connect()
+        self.connect()
         self.placed = self._plan()
         await self._wait_groups()
         gpu_of = await self._probe_gpus() if cfg.on_gpu else {}

@@ -67,7 +67,9 @@ def make_placement(config: CoordinatorConfig, run_dir: pathlib.Path, total_steps
         return StaticPlacement(config)
     from services.coordinator.ray_placement import RayPlacement
 
-    return RayPlacement(config, run_dir, total_steps)
+    placement = RayPlacement(config, run_dir, total_steps)
+    placement.connect()
+    return placement
 
 
 def eval_prompts_of(config: CoordinatorConfig, tokenizer) -> list:
@@ -109,6 +111,8 @@ async def run(config: CoordinatorConfig) -> int:
     if config.max_steps:
         total_steps = min(total_steps, config.max_steps)
 
+    # Before the control server starts: joining Ray forks processes (see RayPlacement.connect).
+    placement = make_placement(config, run_dir, total_steps)
     control = RunControl(config.placement)
     control.run_dir, control.total_steps = str(run_dir), total_steps
     runner = ServiceRunner("coordinator", config)
@@ -129,7 +133,6 @@ async def run(config: CoordinatorConfig) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal, signum)
 
-    placement = make_placement(config, run_dir, total_steps)
     trainer = None
     code = 0
     log_event(_log, "run.start", run_dir=str(run_dir), placement=config.placement, steps=total_steps,
