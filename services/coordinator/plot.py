@@ -48,12 +48,23 @@ def _safe_name(key: str) -> str:
     return key.replace("/", "_")
 
 
+def draw_curve(ax, records: list[dict], key: str) -> None:
+    """One metric against the global step on a matplotlib axis."""
+    from matplotlib.ticker import MaxNLocator
+
+    steps, values = series(records, key)
+    ax.plot(steps, values, marker="o" if len(steps) < 30 else None)
+    ax.set_title(key)
+    ax.set_xlabel("global step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+
+
 def plot_run(run_dir: pathlib.Path, keys: list[str] | None = None) -> list[pathlib.Path]:
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display needed
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
     records = read_metrics(run_dir)
     if not records:
@@ -70,24 +81,14 @@ def plot_run(run_dir: pathlib.Path, keys: list[str] | None = None) -> list[pathl
     if summary_keys:
         fig, axes = plt.subplots(1, len(summary_keys), figsize=(4.2 * len(summary_keys), 3.2), squeeze=False)
         for ax, key in zip(axes[0], summary_keys):
-            steps, values = series(records, key)
-            ax.plot(steps, values, marker="o" if len(steps) < 30 else None)
-            ax.set_title(key)
-            ax.set_xlabel("global step")
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.grid(alpha=0.3)
+            draw_curve(ax, records, key)
         fig.tight_layout()
         fig.savefig(out_dir / "summary.png", dpi=110)
         plt.close(fig)
         written.append(out_dir / "summary.png")
     for key in keys:
-        steps, values = series(records, key)
         fig, ax = plt.subplots(figsize=(5, 3.2))
-        ax.plot(steps, values, marker="o" if len(steps) < 30 else None)
-        ax.set_title(key)
-        ax.set_xlabel("global step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
+        draw_curve(ax, records, key)
         fig.tight_layout()
         path = out_dir / f"{_safe_name(key)}.png"
         fig.savefig(path, dpi=110)

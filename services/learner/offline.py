@@ -53,6 +53,16 @@ Ratios = dict[str, tuple[float, float]]  # metric name -> (numerator, denominato
 
 
 @dataclasses.dataclass
+class PreferenceKeys:
+    """Where preference rows keep their fields (the reward-model and DPO trainers)."""
+
+    prompt_key: str = opt("prompt", "field of the prompt; rows without it hold whole conversations in the "
+                          "chosen/rejected fields (message lists)")
+    chosen_key: str = opt("chosen", "field of the preferred response (a string or a message list)")
+    rejected_key: str = opt("rejected", "field of the dispreferred response (a string or a message list)")
+
+
+@dataclasses.dataclass
 class OfflineConfig(DeepSpeedOptions):
     """Flags of every offline trainer; DeepSpeed and optimizer flags come from DeepSpeedOptions."""
 

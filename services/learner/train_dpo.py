@@ -22,6 +22,7 @@ from services.learner.deepspeed_setup import load_pretrained
 from services.learner.offline import (
     OfflineConfig,
     OfflineTrainer,
+    PreferenceKeys,
     Ratios,
     dpo_loss,
     frozen_model,
@@ -31,13 +32,9 @@ from services.learner.offline import (
 
 
 @dataclasses.dataclass
-class DPOConfig(OfflineConfig):
+class DPOConfig(OfflineConfig, PreferenceKeys):
     """Trains a causal LM on chosen/rejected pairs with the DPO loss and a frozen reference model."""
 
-    prompt_key: str = opt("prompt", "field of the prompt; rows without it hold whole conversations in the "
-                          "chosen/rejected fields (message lists)")
-    chosen_key: str = opt("chosen", "field of the preferred response (a string or a message list)")
-    rejected_key: str = opt("rejected", "field of the dispreferred response (a string or a message list)")
     ref_pretrain: str = opt("", "local folder of the frozen reference model; empty = --pretrain")
     beta: float = opt(0.1, "strength of the KL constraint to the reference (the implicit reward's scale)")
     ipo: bool = opt(False, "IPO loss (h - 1 / (2 beta))^2 on per-token mean log-ratios instead of DPO")

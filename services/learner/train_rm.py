@@ -28,6 +28,7 @@ from services.learner.deepspeed_setup import load_pretrained
 from services.learner.offline import (
     OfflineConfig,
     OfflineTrainer,
+    PreferenceKeys,
     Ratios,
     pad_right,
     pairwise_reward_loss,
@@ -38,13 +39,9 @@ STATS_ROWS = 1024  # pairs per rank scored for the saved mean/std when there is 
 
 
 @dataclasses.dataclass
-class RMConfig(OfflineConfig):
+class RMConfig(OfflineConfig, PreferenceKeys):
     """Trains a reward model (sequence classification, one output) on chosen/rejected pairs."""
 
-    prompt_key: str = opt("prompt", "field of the prompt; rows without it hold whole conversations in the "
-                          "chosen/rejected fields (message lists)")
-    chosen_key: str = opt("chosen", "field of the preferred response (a string or a message list)")
-    rejected_key: str = opt("rejected", "field of the dispreferred response (a string or a message list)")
     loss: str = opt("sigmoid", "pairwise loss: sigmoid = -log sigmoid(chosen - rejected - margin); logexp = "
                     "log(1 + exp(rejected - chosen + margin)) (the same function)", choices=["sigmoid", "logexp"])
     margin_loss: bool = opt(False, "subtract each pair's margin (from --margin_key) inside the loss")
