@@ -3,12 +3,15 @@ vLLM's in-process `LLM.generate`, measured in the same run; prints tokens/s both
 
     python bench/rollout_overhead.py                         # CPU: tiny model, 64 prompts x n=4
     python bench/rollout_overhead.py --model_shape qwen2.5-0.5b --dtype bfloat16 \\
-        --gpu_memory_utilization 0.8 --prompts 64 --n 4 --max_tokens 256 --no-enforce_eager   # GPU
+        --gpu_memory_utilization 0.4 --max_num_batched_tokens 16384 --prompts 64 --n 4 \\
+        --max_tokens 256 --no-enforce_eager                                               # GPU
+    bash bench/gpu/rollout_overhead.sh                       # GPU, the issue's configuration
 
 Both sides decode `prompts x n` samples (256 by default) of exactly --max_tokens tokens (EOS
 ignored) from random --prompt_len-token prompts; each side first runs one warm-up batch, then
 --repeats timed batches, the two sides taking turns (the in-process side lives in a child process;
-an idle engine does not use the CPU). Target: ratio >= 0.9.
+an idle engine does not use the CPU). Both engines stay up on the same device, so on a GPU
+--gpu_memory_utilization must leave room for two. Target: ratio >= 0.9.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gpu_memory_utilization", type=float, default=0.1)
     p.add_argument("--max_model_len", type=int, default=512)
     p.add_argument("--max_num_seqs", type=int, default=256)
+    p.add_argument("--max_num_batched_tokens", type=int, default=0,
+                   help="most tokens per engine step, given to both sides; 0 = vLLM's default, which differs "
+                        "between LLM (16384 on large GPUs) and an AsyncLLM engine (2048), so set it on a GPU")
     p.add_argument("--enforce_eager", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable_chunked_prefill", default="auto", choices=["auto", "on", "off"],
                    help="as the service's option; auto = off on CPU, vLLM's default elsewhere (both sides alike)")
@@ -95,6 +101,8 @@ def run_inprocess(args) -> None:
 
     chunked = {"on": True, "off": False, "auto": False if current_platform.is_cpu() else None}[args.enable_chunked_prefill]
     extra = {} if chunked is None else {"enable_chunked_prefill": chunked}
+    if args.max_num_batched_tokens:
+        extra["max_num_batched_tokens"] = args.max_num_batched_tokens
     llm = LLM(model=args.pretrain, dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
               seed=args.seed, **extra)
@@ -117,8 +125,8 @@ class InProcess:
                "--prompts", str(args.prompts), "--n", str(args.n), "--prompt_len", str(args.prompt_len),
                "--max_tokens", str(args.max_tokens), "--dtype", args.dtype,
                "--gpu_memory_utilization", str(args.gpu_memory_utilization), "--max_model_len", str(args.max_model_len),
-               "--max_num_seqs", str(args.max_num_seqs), "--seed", str(args.seed),
-               "--enable_chunked_prefill", args.enable_chunked_prefill,
+               "--max_num_seqs", str(args.max_num_seqs), "--max_num_batched_tokens", str(args.max_num_batched_tokens),
+               "--seed", str(args.seed), "--enable_chunked_prefill", args.enable_chunked_prefill,
                "--enforce_eager" if args.enforce_eager else "--no-enforce_eager"]
         self.log = open(work / "inprocess.log", "w")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
@@ -163,7 +171,8 @@ class Service:
         cmd = [sys.executable, "-m", "services.rollout", "--pretrain", args.pretrain, "--host", "127.0.0.1",
                "--dtype", args.dtype, "--gpu_memory_utilization", str(args.gpu_memory_utilization),
                "--max_model_len", str(args.max_model_len), "--max_num_seqs", str(args.max_num_seqs),
-               "--seed", str(args.seed), "--ready_file", str(ready), "--enable_chunked_prefill", args.enable_chunked_prefill,
+               "--max_num_batched_tokens", str(args.max_num_batched_tokens), "--seed", str(args.seed),
+               "--ready_file", str(ready), "--enable_chunked_prefill", args.enable_chunked_prefill,
                "--enforce_eager" if args.enforce_eager else "--no-enforce_eager", *args.service_args]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "protos"),
                                                             os.environ.get("PYTHONPATH", "")]))

@@ -9,9 +9,9 @@ services.learner --num_gpus 1 --bf16 --zero_stage 2 ...`) and sent TrainActor ca
 random sequences (lengths uniform in [seq_len/2, seq_len], one prompt token, the rest response),
 one optimizer step per call, after one warm-up call. Variants:
   plain: padded micro-batches of --plain_micro samples, full logits + log-softmax, sdpa attention;
-  fast:  the same samples packed into one row per micro-batch of --fast_micro samples, log-probs
-         from the hidden states in chunks of --chunk_tokens (no (tokens x vocab) logits kept),
-         flash_attention_2 when the package is installed, else sdpa.
+  fast:  the same samples packed into one row per micro-batch of --fast_micro samples, varlen
+         FlashAttention (PyTorch's), the fused log-prob head (--logprobs_head fused: no float32
+         logits, no recomputation), and liger-kernel's RMSNorm / SwiGLU / RoPE when installed.
 Both use torch's fused AdamW (the learner's default on CUDA).
 MFU = model FLOPs per second / --peak_tflops (H200 bf16 dense: 989). Model FLOPs per token:
 6 x (parameters of every matmul, the output projection included) + 6 x layers x hidden x sequence
@@ -44,11 +44,10 @@ QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", nargs="*", default=["plain", "fast"], choices=["plain", "fast"])
-    p.add_argument("--batch", type=int, default=16, help="samples per TrainActor call = train_batch_size")
+    p.add_argument("--batch", type=int, default=128, help="samples per TrainActor call = train_batch_size (OpenRLHF's default)")
     p.add_argument("--seq_len", type=int, default=2048, help="longest sequence, tokens")
     p.add_argument("--plain_micro", type=int, default=4, help="plain: samples per micro-batch")
-    p.add_argument("--fast_micro", type=int, default=8, help="fast: samples per (packed) micro-batch")
-    p.add_argument("--chunk_tokens", type=int, default=4096, help="fast: --logprobs_chunk_tokens")
+    p.add_argument("--fast_micro", type=int, default=32, help="fast: samples per (packed) micro-batch")
     p.add_argument("--calls", type=int, default=4, help="timed TrainActor calls per variant")
     p.add_argument("--peak_tflops", type=float, default=989.0, help="the GPU's dense bf16 peak, TFLOP/s")
     p.add_argument("--gradient_checkpointing", action="store_true", help="also recompute activations")
@@ -89,9 +88,9 @@ def variant_args(name: str, args) -> list[str]:
         common.append("--gradient_checkpointing")
     if name == "plain":
         return common + ["--micro_train_batch_size", str(args.plain_micro), "--attn_implementation", "sdpa"]
-    attn = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
+    liger = ["--use_liger_kernel"] if importlib.util.find_spec("liger_kernel") else []
     return common + ["--micro_train_batch_size", str(args.fast_micro), "--packing_samples",
-                     "--logprobs_chunk_tokens", str(args.chunk_tokens), "--attn_implementation", attn]
+                     "--attn_implementation", "varlen", "--logprobs_head", "fused", *liger]
 
 
 def run_variant(name: str, args, model_dir: pathlib.Path, tmp: pathlib.Path, flops_per_token) -> dict:
@@ -131,6 +130,7 @@ def main(argv=None) -> int:
         print(f"learner MFU on {torch.cuda.get_device_name()}: random Qwen2.5-0.5B shapes ({total / 1e6:.0f}M "
               f"params, {matmul / 1e6:.0f}M in matmuls), bf16, ZeRO-2, {args.batch} samples of "
               f"{args.seq_len // 2}-{args.seq_len} tokens per step, peak {args.peak_tflops:.0f} TFLOP/s")
+        print(f"liger-kernel {'installed' if importlib.util.find_spec('liger_kernel') else 'not installed'}")
         print(f"{'variant':>8} {'s/step':>8} {'tokens/s':>10} {'MFU':>6}")
         results = {}
         for name in args.variants:

@@ -1,7 +1,7 @@
 """PushWeights over CUDA IPC from the learner to the vLLM rollout service on the same GPU.
 
-    python bench/gpu/learner_push_ipc.py                 # random Qwen2.5-0.5B shapes, bf16, 5 pushes
-    python bench/gpu/learner_push_ipc.py --bucket_mb 256 --repeats 10
+    python3 bench/gpu/learner_push_ipc.py                 # random Qwen2.5-0.5B shapes, bf16, 5 pushes
+    python3 bench/gpu/learner_push_ipc.py --bucket_mb 256 --repeats 10
 
 Starts a learner service (`--num_gpus 1 --bf16 --zero_stage 2`) and a rollout service (vLLM,
 `--gpu_memory_utilization 0.3 --enforce_eager`) on one GPU with the same random model, then runs
@@ -15,6 +15,7 @@ The first push is a warm-up (CUDA IPC mappings are opened once).
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import queue
 import statistics
@@ -24,6 +25,10 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
+# The services run as child processes (`python -m services.rollout`, ...): they need the same paths,
+# in front of what PYTHONPATH holds already (vLLM, DeepSpeed and grpcio >= 1.85 on the GPU machine).
+os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "protos"),
+                                            *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
 
 import torch  # noqa: E402
 

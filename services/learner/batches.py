@@ -201,6 +201,7 @@ class MicroBatch:
     out_index: torch.Tensor  # (B, R) long
     response_mask: torch.Tensor  # (B, R) bool: real response tokens
     fields: dict[str, torch.Tensor]  # name -> (B, R), 0 / False at padding
+    seq_lengths: list[int] | None = None  # packed: the samples' lengths, in row order
 
     @property
     def action_mask(self) -> torch.Tensor:
@@ -212,7 +213,7 @@ class MicroBatch:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return MicroBatch(move(self.input_ids), move(self.attention_mask), move(self.position_ids),
                           move(self.out_index), move(self.response_mask),
-                          {k: move(v) for k, v in self.fields.items()})
+                          {k: move(v) for k, v in self.fields.items()}, self.seq_lengths)
 
 
 def _pad_fields(samples: list[Sample], width: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -243,7 +244,7 @@ def collate(samples: list[Sample], packed: bool = False, pad_id: int = 0) -> Mic
         position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
         out_index = offsets[:, None] + first_out[:, None] + j[None, :]  # (B, R)
         limit = input_ids.shape[1] - 2
-        return MicroBatch(input_ids, None, position_ids, out_index.clamp(max=limit), response_mask, fields)
+        return MicroBatch(input_ids, None, position_ids, out_index.clamp(max=limit), response_mask, fields, lengths)
     T = max(lengths)
     input_ids = torch.full((B, T), pad_id, dtype=torch.int64)
     attention_mask = torch.zeros(B, T, dtype=torch.int64)

@@ -8,6 +8,7 @@ import pathlib
 from services.common.config import ConfigError, opt
 from services.common.server import ServerConfig
 from services.learner.deepspeed_setup import DeepSpeedOptions
+from services.learner.logprob_head import HEADS
 
 
 @dataclasses.dataclass
@@ -20,9 +21,14 @@ class LearnerConfig(ServerConfig, DeepSpeedOptions):
     actor_learning_rate: float = opt(1e-6, "peak learning rate of the actor")
     critic_learning_rate: float = opt(9e-6, "peak learning rate of the critic")
     micro_forward_batch_size: int = opt(8, "samples per forward pass on one rank in LogProbs and Values")
-    logprobs_chunk_tokens: int = opt(0, "training: compute response log-probs from the hidden states this many "
-                                     "tokens at a time (output projection + log-softmax recomputed in backward), "
-                                     "never materialising the full logits; 0 = plain logits. ZeRO stage 0-2 only")
+    logprobs_head: str = opt("full", "training: how response log-probs come from the model. full: the model's "
+                             "logits, log-softmax over them; chunked: from the hidden states of the response "
+                             "tokens, --logprobs_chunk_tokens at a time, logits recomputed in the backward pass "
+                             "(least memory); fused: from those hidden states in one pass that keeps d logp / "
+                             "d logits (tokens x vocabulary in the model dtype) for a backward without "
+                             "recomputation (fastest). chunked and fused: ZeRO stage 0-2",
+                             choices=list(HEADS))
+    logprobs_chunk_tokens: int = opt(4096, "--logprobs_head chunked: response tokens per chunk")
     weight_bucket_mb: int = opt(1024, "PushWeights: largest bucket of parameters sent in one broadcast, MiB")
     max_ckpt_num: int = opt(3, "SaveCheckpoint keeps at most this many checkpoints (oldest removed first)")
     max_len: int = opt(0, "longest sequence (prompt + response) accepted, tokens; 0 = the model's "
@@ -55,11 +61,11 @@ class LearnerConfig(ServerConfig, DeepSpeedOptions):
                 raise ConfigError(f"--{name} must be >= 0")
         if self.micro_forward_batch_size < 1:
             raise ConfigError(f"--micro_forward_batch_size {self.micro_forward_batch_size} must be >= 1")
-        if self.logprobs_chunk_tokens < 0:
-            raise ConfigError(f"--logprobs_chunk_tokens {self.logprobs_chunk_tokens} must be >= 0")
-        if self.logprobs_chunk_tokens and self.zero_stage == 3:
-            raise ConfigError("--logprobs_chunk_tokens needs --zero_stage 0, 1 or 2 (under ZeRO-3 the output "
-                              "projection is sharded); set it to 0")
+        if self.logprobs_chunk_tokens < 1:
+            raise ConfigError(f"--logprobs_chunk_tokens {self.logprobs_chunk_tokens} must be >= 1")
+        if self.logprobs_head != "full" and self.zero_stage == 3:
+            raise ConfigError(f"--logprobs_head {self.logprobs_head} needs --zero_stage 0, 1 or 2 (under ZeRO-3 the "
+                              "output projection is sharded); use --logprobs_head full")
         if self.weight_bucket_mb < 1:
             raise ConfigError(f"--weight_bucket_mb {self.weight_bucket_mb} must be >= 1")
         if self.max_ckpt_num < 1:

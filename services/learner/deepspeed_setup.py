@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import importlib.util
 import math
 import os
 import warnings
@@ -38,7 +39,7 @@ import deepspeed  # noqa: E402
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+`? is deprecated.*", category=FutureWarning)
 
 LR_SCHEDULERS = ("constant_with_warmup", "cosine_with_min_lr")
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "varlen")
 ModelKind = Literal["causal_lm", "critic"]
 
 
@@ -68,8 +69,14 @@ class DeepSpeedOptions:
                          "required by cosine_with_min_lr; 0 = unknown")
     adam_betas: list[float] = opt([0.9, 0.95], "Adam beta1 beta2")
     l2: float = opt(0.0, "AdamW weight decay (not applied to biases and norm weights)")
-    attn_implementation: str = opt("sdpa", "attention kernel of the transformers model",
+    attn_implementation: str = opt("sdpa", "attention kernel of the transformers model; varlen: PyTorch's "
+                                   "FlashAttention for variable-length sequences (CUDA; per-sequence sdpa "
+                                   "elsewhere), the fast choice with --packing_samples; flash_attention_2 "
+                                   "without the flash-attn package installed means varlen",
                                    choices=list(ATTN_IMPLEMENTATIONS))
+    use_liger_kernel: bool = opt(False, "replace the model's RMSNorm, SwiGLU MLP and rotary embedding with the "
+                                 "fused Triton kernels of the liger-kernel package (CUDA; pip install "
+                                 "liger-kernel)")
     packing_samples: bool = opt(False, "training: concatenate each micro-batch's samples into one row without "
                                 "padding (attention kept within each sample)")
     seed: int = opt(42, "seed of model initialisation where weights are new (e.g. the critic's value head)")
@@ -98,7 +105,13 @@ class DeepSpeedOptions:
         if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
             raise ConfigError(f"--adam_betas {self.adam_betas} must be two numbers in [0, 1)")
         if self.attn_implementation == "flash_attention_2" and not torch.cuda.is_available():
-            raise ConfigError("--attn_implementation flash_attention_2 needs a CUDA GPU; use sdpa")
+            raise ConfigError("--attn_implementation flash_attention_2 needs a CUDA GPU; use sdpa or varlen")
+        if self.use_liger_kernel:
+            if not torch.cuda.is_available():
+                raise ConfigError("--use_liger_kernel needs a CUDA GPU (the kernels are Triton); drop the flag on CPU")
+            if importlib.util.find_spec("liger_kernel") is None:
+                raise ConfigError("--use_liger_kernel: the liger-kernel package is not installed; "
+                                  "pip install liger-kernel, or drop the flag")
 
     def gradient_accumulation_steps(self, world_size: int) -> int:
         return self.train_batch_size // (self.micro_train_batch_size * world_size)
@@ -204,7 +217,7 @@ def load_pretrained(path: str, options: DeepSpeedOptions, ds_config: dict, kind:
         from transformers.integrations import HfDeepSpeedConfig
 
         keepalive = HfDeepSpeedConfig(ds_config)
-    common = {"dtype": options.dtype, "attn_implementation": options.attn_implementation}
+    common = {"dtype": options.dtype, "attn_implementation": resolve_attn_implementation(options.attn_implementation)}
     if kind == "causal_lm":
         model = transformers.AutoModelForCausalLM.from_pretrained(path, **common)
     elif kind == "critic":
@@ -216,9 +229,30 @@ def load_pretrained(path: str, options: DeepSpeedOptions, ds_config: dict, kind:
     else:
         raise ValueError(f"kind must be 'causal_lm' or 'critic', got {kind!r}")
     model.config.use_cache = False
+    if options.use_liger_kernel:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        # The losses read the hidden states or logits themselves: no fused cross-entropy.
+        _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True,
+                                        cross_entropy=False, fused_linear_cross_entropy=False)
     if options.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model, keepalive
+
+
+def resolve_attn_implementation(name: str) -> str:
+    """The attn_implementation to give transformers: `varlen` is registered with it first, and
+    flash_attention_2 without the flash-attn package becomes varlen (the same FlashAttention
+    kernel, shipped with PyTorch)."""
+    if name == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        warnings.warn("flash-attn is not installed: using PyTorch's FlashAttention (--attn_implementation varlen)",
+                      stacklevel=2)
+        name = "varlen"
+    if name == "varlen":
+        from services.learner.varlen_attention import register
+
+        register()
+    return name
 
 
 def optimizer_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

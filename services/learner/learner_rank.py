@@ -23,8 +23,8 @@ import torch.distributed as dist
 from services.common import rl_math
 from services.common.errors import failed_precondition
 from services.common.log import get_logger, log_event
-from services.common.logprobs import position_ids_from_mask, sequence_logprobs, token_logprobs
-from services.learner import checkpoint, chunked_logprobs
+from services.common.logprobs import sequence_logprobs, token_logprobs
+from services.learner import checkpoint, logprob_head
 from services.learner.batches import MicroBatch, Sample, StepPlan, collate, ragged_rows
 from services.learner.config import LearnerConfig
 from services.learner.deepspeed_setup import (
@@ -46,11 +46,9 @@ _FILLER = Sample(torch.tensor([0, 0]), 1, {})
 def forward_micro_batch(model, mb: MicroBatch):
     """The model's output on a MicroBatch. Padded: positions from the mask. Packed: the given
     positions and no mask, from which transformers keeps attention within each sample (it does so
-    only without a KV cache, hence use_cache=False)."""
-    if mb.attention_mask is not None:
-        return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                     position_ids=position_ids_from_mask(mb.attention_mask), use_cache=False)
-    return model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
+    only without a KV cache, hence use_cache=False), or with varlen / flash attention the
+    samples' boundaries."""
+    return model(**logprob_head.backbone_kwargs(getattr(model, "module", model), mb))
 
 
 class LearnerRank:
@@ -172,9 +170,9 @@ class LearnerRank:
 
     def _actor_outputs(self, mb: MicroBatch, temperature: float, want_entropy: bool):
         """(B, R) log-probs of the response tokens, and their entropies when asked (else None)."""
-        if self.config.logprobs_chunk_tokens > 0:
-            return chunked_logprobs.response_outputs(self.actor.module, mb, temperature,
-                                                     self.config.logprobs_chunk_tokens, want_entropy)
+        if self.config.logprobs_head != "full":
+            return logprob_head.response_outputs(self.actor.module, mb, temperature, self.config.logprobs_head,
+                                                 self.config.logprobs_chunk_tokens, want_entropy)
         logits = forward_micro_batch(self.actor, mb).logits  # (rows, T, V)
         vocab = logits.shape[-1]
         # Only the response positions go through the log-softmax: prompts can be long.

@@ -1,6 +1,10 @@
-"""The learner service on one GPU (nccl, bf16): training with the fast paths (fused AdamW, packing,
-chunked log-probs, gradient checkpointing), Offload / Reload of DeepSpeed states, and PushWeights
-over CUDA IPC to a listener process on the same GPU. Skipped without CUDA (tests/conftest.py)."""
+"""The learner service on one GPU (nccl, bf16): training with the fast paths (fused AdamW, packing
+with varlen FlashAttention, the fused log-prob head, liger kernels when installed, gradient
+checkpointing), Offload / Reload of DeepSpeed states, and PushWeights over CUDA IPC to a listener
+process on the same GPU; the fused head's Triton kernel and the varlen attention against their
+plain torch counterparts. Skipped without CUDA (tests/conftest.py)."""
+
+import importlib.util
 
 import grpc
 import pytest
@@ -32,8 +36,9 @@ def learner(tmp_path_factory, tiny_model_dir):
     proc = start_learner(
         tmp_path_factory.mktemp("learner_gpu"), "--pretrain", str(tiny_model_dir), "--num_gpus", "1", "--bf16",
         "--zero_stage", "2", "--train_batch_size", str(TRAIN_BATCH), "--micro_train_batch_size", "4",
-        "--packing_samples", "--logprobs_chunk_tokens", "64", "--gradient_checkpointing",
-        "--actor_learning_rate", "2e-3", "--lr_warmup_ratio", "0")
+        "--packing_samples", "--attn_implementation", "varlen", "--logprobs_head", "fused", "--gradient_checkpointing",
+        "--actor_learning_rate", "2e-3", "--lr_warmup_ratio", "0",
+        *(["--use_liger_kernel"] if importlib.util.find_spec("liger_kernel") else []))
     yield proc
     proc.stop()
 
@@ -54,7 +59,7 @@ def test_training_lowers_the_loss(learner, tiny_model_dir):
     old = logprobs(learner.stub, seqs, starts)
     batch = experience(seqs, starts, old_logprobs=old, advantages=signed_advantages(seqs, starts))
     losses = [learner.stub.TrainActor(pb.TrainActorRequest(batch=batch, shuffle_seed=i, max_epochs=2,
-                                                           loss=pb.ActorLoss(eps_clip_low=10.0, entropy_coef=1e-3)),
+                                                           loss=pb.ActorLoss(eps_clip_low=10.0)),
                                       timeout=300).policy_loss for i in range(4)]
     assert losses[-1] < losses[0] - 0.1, losses
 
@@ -84,3 +89,38 @@ def test_push_weights_over_cuda_ipc(learner, tmp_path):
     assert done.weights_checksum == checksum
     trained = export_weights(learner.stub, tmp_path / "export")
     assert all(torch.equal(received[name], tensor.to(torch.bfloat16)) for name, tensor in trained.items())
+
+
+def test_fused_head_kernel_matches_torch():
+    from services.learner.logprob_head import _logprobs_and_grad_torch_, logprobs_and_grad_, triton_available
+
+    assert triton_available()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for vocab, temperature in ((151936, 1.0), (1000, 0.7)):
+        z = (torch.randn(300, vocab, device="cuda", generator=g) * 3).to(torch.bfloat16)
+        y = torch.randint(0, vocab, (300,), device="cuda", generator=g)
+        ref_z = z.clone()
+        ref = _logprobs_and_grad_torch_(ref_z, y, 1 / temperature)
+        got = logprobs_and_grad_(z, y, 1 / temperature)
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(z.float(), ref_z.float(), atol=1e-3, rtol=1e-2)  # bf16 storage
+
+
+def test_varlen_flash_attention_matches_sdpa_forward_and_backward():
+    from services.learner.varlen_attention import _sdpa_per_sequence, _flash_varlen, cumulative_lengths
+
+    lengths = [700, 1, 1500, 33]
+    n = sum(lengths)
+    cu = cumulative_lengths(lengths, "cuda")
+    torch.manual_seed(0)
+    q = torch.randn(n, 14, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(n, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(n, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out_grad = torch.randn(n, 14, 64, device="cuda", dtype=torch.bfloat16)
+    got = _flash_varlen(q, k, v, cu, max(lengths), 0.125)
+    grads = torch.autograd.grad(got, (q, k, v), out_grad)
+    ref = _sdpa_per_sequence(q, k, v, cu, 0.125)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), out_grad)
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)

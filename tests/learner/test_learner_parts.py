@@ -115,21 +115,64 @@ def test_rank_spec_from_flags_and_launcher_environment(monkeypatch):
     assert os.environ["RANK"] == "3"
 
 
-def test_chunked_logprobs_match_the_plain_path_with_gradients(tiny_model_dir):
-    from services.learner.chunked_logprobs import response_outputs
+@pytest.mark.parametrize("head", ["chunked", "fused"])
+def test_hidden_state_logprob_heads_match_the_plain_path_with_gradients(tiny_model_dir, head):
+    """--logprobs_head chunked / fused give the full-logits path's log-probs, entropies and
+    gradients (of the output projection and, through it, of the backbone)."""
+    from services.learner.logprob_head import response_outputs
     from services.common.rl_math import entropy_from_logits
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     for packed in (False, True):
         mb = collate(_samples(4, seed=3), packed=packed)
+        weights = torch.randn(mb.response_mask.shape, generator=torch.Generator().manual_seed(1))
+        params = [model.lm_head.weight, model.model.layers[0].mlp.up_proj.weight]
         logits = forward_micro_batch(model, mb).logits
         response_logits = logits[:, :-1].reshape(-1, logits.shape[-1])[mb.out_index]
         plain = token_logprobs(response_logits, mb.input_ids[:, 1:].reshape(-1)[mb.out_index], 0.8)
         plain_entropy = entropy_from_logits(response_logits, 0.8)
-        (grad_plain,) = torch.autograd.grad((plain * mb.response_mask).sum(), model.lm_head.weight)
-        chunked, entropy = response_outputs(model, mb, 0.8, chunk_tokens=5, want_entropy=True)
-        (grad_chunked,) = torch.autograd.grad((chunked * mb.response_mask).sum(), model.lm_head.weight)
+        grads_plain = torch.autograd.grad((plain * weights * mb.response_mask).sum(), params)
+        got, entropy = response_outputs(model, mb, 0.8, head, chunk_tokens=5, want_entropy=head == "chunked")
+        grads = torch.autograd.grad((got * weights * mb.response_mask).sum(), params)
         mask = mb.response_mask
-        torch.testing.assert_close(chunked[mask], plain[mask], atol=2e-5, rtol=0)
-        torch.testing.assert_close(entropy[mask], plain_entropy[mask], atol=2e-5, rtol=0)
-        torch.testing.assert_close(grad_chunked, grad_plain, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(got[mask], plain[mask], atol=2e-5, rtol=0)
+        assert (got[~mask] == 0).all()
+        if head == "chunked":
+            torch.testing.assert_close(entropy[mask], plain_entropy[mask], atol=2e-5, rtol=0)
+        for g, ref in zip(grads, grads_plain):
+            torch.testing.assert_close(g, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_fused_logprob_pass_gives_the_log_softmax_gradient():
+    from services.learner.logprob_head import _logprobs_and_grad_torch_
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(37, 53, generator=g, dtype=torch.float64) * 4
+    y = torch.randint(0, 53, (37,), generator=g)
+    zr = z.clone().requires_grad_(True)
+    ref = torch.log_softmax(zr / 0.7, -1).gather(-1, y[:, None])[:, 0]
+    (grad,) = torch.autograd.grad(ref.sum(), zr)
+    out = _logprobs_and_grad_torch_(z, y, 1 / 0.7, rows=8)
+    torch.testing.assert_close(out, ref.detach().float(), atol=1e-5, rtol=1e-6)  # float32 maths
+    torch.testing.assert_close(z, grad, atol=1e-6, rtol=1e-5)  # row-wise d logp_i / d z_i
+
+
+def test_varlen_attention_keeps_packed_samples_apart(tiny_model_dir):
+    """attn_implementation varlen (CPU: per-sequence sdpa) on packed rows and on padded rows gives
+    sdpa's logits on the padded batch."""
+    from services.learner.deepspeed_setup import resolve_attn_implementation
+
+    sdpa = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    varlen = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
+                                                  attn_implementation=resolve_attn_implementation("varlen"))
+    samples = _samples(4, seed=5)
+    padded, packed = collate(samples), collate(samples, packed=True)
+    ref = forward_micro_batch(sdpa, padded).logits
+    got_padded = forward_micro_batch(varlen, padded).logits
+    got_packed = forward_micro_batch(varlen, packed).logits[0]
+    start = 0
+    for i, s in enumerate(samples):
+        n = s.input_ids.numel()
+        torch.testing.assert_close(got_padded[i, :n], ref[i, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_packed[start:start + n], ref[i, :n], atol=1e-5, rtol=1e-5)
+        start += n

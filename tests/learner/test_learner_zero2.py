@@ -1,5 +1,5 @@
 """The learner service with two CPU ranks (gloo), ZeRO-2, an actor and a critic, over gRPC; with
-gradient checkpointing, chunked log-probs (--logprobs_chunk_tokens) and a cosine LR schedule.
+gradient checkpointing, log-probs from the hidden states (--logprobs_head fused) and a cosine LR schedule.
 
 One service process (rank 0 starting rank 1) serves every test of this module; the tests run in
 file order and build on each other's state only where they say so.
@@ -44,7 +44,7 @@ def learner(tmp_path_factory, tiny_model_dir, tiny_reward_model_dir):
         str(tiny_reward_model_dir), "--num_gpus", "2", "--zero_stage", "2", "--train_batch_size", str(TRAIN_BATCH),
         "--micro_train_batch_size", "1", "--micro_forward_batch_size", str(MICRO_FORWARD), "--actor_learning_rate",
         str(LR), "--critic_learning_rate", str(LR), "--gradient_checkpointing", "--lr_scheduler", "cosine_with_min_lr",
-        "--max_steps", "1000", "--lr_warmup_ratio", "0.004", "--metrics_port", "0", "--logprobs_chunk_tokens", "16")
+        "--max_steps", "1000", "--lr_warmup_ratio", "0.004", "--metrics_port", "0", "--logprobs_head", "fused")
     yield proc
     proc.stop()
 
