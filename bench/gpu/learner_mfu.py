@@ -12,7 +12,10 @@ one optimizer step per call, after one warm-up call. Variants:
   fast:  the same samples packed into one row per micro-batch of --fast_micro samples, varlen
          FlashAttention (PyTorch's), the fused log-prob head (--logprobs_head fused: no float32
          logits, no recomputation), and liger-kernel's RMSNorm / SwiGLU / RoPE when installed.
-Both use torch's fused AdamW (the learner's default on CUDA).
+Both use torch's fused AdamW (the learner's default on CUDA). The learner processes run with
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (unless set already): a packed micro-batch of 64
+samples (~100k tokens) needs most of the GPU and fits only without the caching allocator's
+fragmentation.
 MFU = model FLOPs per second / --peak_tflops (H200 bf16 dense: 989). Model FLOPs per token:
 6 x (parameters of every matmul, the output projection included) + 6 x layers x hidden x sequence
 length (causal attention, forward and backward); the recomputation of checkpointing is not counted.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import pathlib
 import sys
 import tempfile
@@ -47,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=128, help="samples per TrainActor call = train_batch_size (OpenRLHF's default)")
     p.add_argument("--seq_len", type=int, default=2048, help="longest sequence, tokens")
     p.add_argument("--plain_micro", type=int, default=4, help="plain: samples per micro-batch")
-    p.add_argument("--fast_micro", type=int, default=32, help="fast: samples per (packed) micro-batch")
+    p.add_argument("--fast_micro", type=int, default=64, help="fast: samples per (packed) micro-batch")
     p.add_argument("--calls", type=int, default=4, help="timed TrainActor calls per variant")
     p.add_argument("--peak_tflops", type=float, default=989.0, help="the GPU's dense bf16 peak, TFLOP/s")
     p.add_argument("--gradient_checkpointing", action="store_true", help="also recompute activations")
@@ -116,6 +120,7 @@ def run_variant(name: str, args, model_dir: pathlib.Path, tmp: pathlib.Path, flo
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # for the learner processes
     if not torch.cuda.is_available():
         print("bench/gpu/learner_mfu.py needs a CUDA GPU; skipped")
         return 0
@@ -130,7 +135,8 @@ def main(argv=None) -> int:
         print(f"learner MFU on {torch.cuda.get_device_name()}: random Qwen2.5-0.5B shapes ({total / 1e6:.0f}M "
               f"params, {matmul / 1e6:.0f}M in matmuls), bf16, ZeRO-2, {args.batch} samples of "
               f"{args.seq_len // 2}-{args.seq_len} tokens per step, peak {args.peak_tflops:.0f} TFLOP/s")
-        print(f"liger-kernel {'installed' if importlib.util.find_spec('liger_kernel') else 'not installed'}")
+        print(f"liger-kernel {'installed' if importlib.util.find_spec('liger_kernel') else 'not installed'}; "
+              f"PYTORCH_CUDA_ALLOC_CONF={os.environ['PYTORCH_CUDA_ALLOC_CONF']}")
         print(f"{'variant':>8} {'s/step':>8} {'tokens/s':>10} {'MFU':>6}")
         results = {}
         for name in args.variants:

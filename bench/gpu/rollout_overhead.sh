@@ -11,8 +11,8 @@ if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 # Absolute paths in front of what PYTHONPATH holds already (vLLM and grpcio >= 1.85 on the GPU machine).
 export PYTHONPATH="$PWD:$PWD/protos${PYTHONPATH:+:$PYTHONPATH}"
-# Both engines stay up and take turns, so each may use at most ~40% of the GPU. Both get the same
-# step budget: left alone, LLM takes 16384 tokens per step on this GPU and an AsyncLLM engine 2048.
+# One engine runs at a time (40% of the GPU is plenty for this model). Both get the same step
+# budget: left alone, LLM takes 16384 tokens per step on this GPU and an AsyncLLM engine 2048.
 exec "$py" bench/rollout_overhead.py --model_shape qwen2.5-0.5b --dtype bfloat16 --gpu_memory_utilization 0.4 \
   --max_model_len 1024 --max_num_seqs 256 --max_num_batched_tokens 16384 --no-enforce_eager --prompts 128 --n 2 \
   --prompt_len 128 --max_tokens 256 --repeats 3 "$@"

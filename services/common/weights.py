@@ -37,6 +37,9 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -207,10 +210,43 @@ def tensor_digest(t: torch.Tensor) -> bytes:
     return _bytes_digest(raw)
 
 
+_pinned: dict[int, torch.Tensor] = {}  # device index -> reusable page-locked staging buffer
+
+
+def _host_copy(buffer: torch.Tensor) -> torch.Tensor:
+    """A CPU view of a 1-D uint8 buffer. From a GPU it goes through one page-locked buffer per
+    device, grown as needed and kept (pinned copies run at PCIe speed, pageable ones several times
+    slower, and allocating pinned memory each time costs more than the copy)."""
+    if not buffer.is_cuda:
+        return buffer
+    index = buffer.device.index or 0
+    staging = _pinned.get(index)
+    if staging is None or staging.numel() < buffer.numel():
+        staging = _pinned[index] = torch.empty(buffer.numel(), dtype=torch.uint8, pin_memory=True)
+    host = staging[:buffer.numel()]
+    host.copy_(buffer, non_blocking=True)
+    torch.cuda.current_stream(buffer.device).synchronize()
+    return host
+
+
+_hash_pool: ThreadPoolExecutor | None = None
+_digest_lock = threading.Lock()
+
+
 def bucket_digests(buffer: torch.Tensor, slots: Sequence[ParamSlot]) -> dict[str, bytes]:
-    """name -> tensor_digest for every parameter of one packed bucket (one device-to-host copy)."""
-    host = buffer.cpu()
-    return {s.name: _bytes_digest(host[s.offset:s.offset + s.nbytes]) for s in slots}
+    """name -> tensor_digest for every parameter of one packed bucket: one device-to-host copy,
+    then the parameters hashed on a few threads (hashlib releases the GIL on large inputs)."""
+    global _hash_pool
+    with _digest_lock:  # one staging buffer per device
+        host = _host_copy(buffer)
+        if _hash_pool is None:
+            _hash_pool = ThreadPoolExecutor(max_workers=max(1, min(8, (os.cpu_count() or 2) // 2)),
+                                            thread_name_prefix="weights-digest")
+        # Largest first, so that the longest hash starts at once.
+        order = sorted(slots, key=lambda s: -s.nbytes)
+        digests = dict(zip((s.name for s in order),
+                           _hash_pool.map(lambda s: _bytes_digest(host[s.offset:s.offset + s.nbytes]), order)))
+    return {s.name: digests[s.name] for s in slots}  # in slot order
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,11 @@ class CoordinatorConfig(ServerConfig):
     l2: float = opt(0.0, "weight decay")
     adam_offload: bool = opt(False, "keep Adam states in CPU memory (GPU only)")
     gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
-    flash_attn: bool = opt(False, "FlashAttention 2 in the learner (GPU only)")
+    flash_attn: bool = opt(False, "FlashAttention in the learner: the flash-attn package if installed, else "
+                           "PyTorch's variable-length FlashAttention (GPU only; with --packing_samples the "
+                           "latter is used anyway)")
+    use_liger_kernel: bool = opt(False, "liger-kernel's Triton RMSNorm / SwiGLU / RoPE in the learner (GPU only; "
+                                 "pip install liger-kernel)")
     packing_samples: bool = opt(False, "pack samples without padding in the learner")
 
     # ---- the RL objective ---------------------------------------------------------------------
@@ -443,7 +447,7 @@ class CoordinatorConfig(ServerConfig):
             if self.vllm_gpu_memory_utilization == 0:
                 self.vllm_gpu_memory_utilization = 0.5 if self.colocate_all_models else 0.9
             return
-        for name in ("flash_attn", "adam_offload"):
+        for name in ("flash_attn", "adam_offload", "use_liger_kernel"):
             if getattr(self, name):
                 warnings.warn(f"--{name} needs a GPU; ignored on CPU", GpuOnlyFlagWarning, stacklevel=2)
                 setattr(self, name, False)

@@ -119,11 +119,16 @@ def learner_argv(cfg: CoordinatorConfig, total_steps: int, num_ranks: int) -> li
     if cfg.critic_needed:
         argv += ["--critic_pretrain", cfg.critic_pretrain or cfg.reward_pretrain or cfg.pretrain,
                  "--critic_learning_rate", str(cfg.critic_learning_rate)]
-    for flag in ("bf16", "gradient_checkpointing", "adam_offload", "packing_samples"):
+    for flag in ("bf16", "gradient_checkpointing", "adam_offload", "packing_samples", "use_liger_kernel"):
         if getattr(cfg, flag):
             argv.append(f"--{flag}")
     if cfg.flash_attn:
-        argv += ["--attn_implementation", "flash_attention_2"]
+        argv += ["--attn_implementation", "flash_attention_2"]  # PyTorch's varlen kernel without flash-attn
+    elif cfg.packing_samples and cfg.on_gpu:
+        argv += ["--attn_implementation", "varlen"]  # sdpa would attend through a (tokens x tokens) mask
+    if cfg.on_gpu and cfg.zero_stage < 3:
+        # Log-probs straight from the hidden states: less memory and time than full float32 logits.
+        argv += ["--logprobs_head", "fused"]
     return argv + shlex.split(cfg.learner_extra_args)
 
 

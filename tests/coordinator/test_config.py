@@ -117,3 +117,22 @@ def test_static_placement_from_environment(paths, monkeypatch):
     monkeypatch.delenv("RLMESH_LEARNER_ADDRESS")
     with pytest.raises(ConfigError, match="--learner_address"):
         parse(["--placement", "auto", *argv])
+
+
+def test_learner_gets_the_fast_training_paths_on_gpu(paths):
+    """On GPUs the learner packs with varlen FlashAttention and takes log-probs from the hidden
+    states; on CPU neither is asked for, and --use_liger_kernel is dropped with a warning."""
+    from services.coordinator.placement import learner_argv
+
+    with pytest.warns(GpuOnlyFlagWarning, match="--use_liger_kernel needs a GPU"):
+        cpu = parse(base(paths, "--packing_samples", "--use_liger_kernel"))
+    argv = learner_argv(cpu, total_steps=4, num_ranks=1)
+    assert "--attn_implementation" not in argv and "--logprobs_head" not in argv and "--use_liger_kernel" not in argv
+    gpu = parse([a if a != "cpu" else "cuda" for a in base(paths, "--packing_samples", "--use_liger_kernel")])
+    gpu.resolve_device(on_gpu=True)
+    argv = learner_argv(gpu, total_steps=4, num_ranks=1)
+    pairs = dict(zip(argv, argv[1:]))
+    assert (pairs["--attn_implementation"], pairs["--logprobs_head"]) == ("varlen", "fused")
+    assert "--use_liger_kernel" in argv
+    gpu.zero_stage = 3  # the output projection is sharded: full logits
+    assert "--logprobs_head" not in learner_argv(gpu, total_steps=4, num_ranks=1)
