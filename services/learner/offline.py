@@ -9,7 +9,9 @@ Hugging Face folder that the rollout and reward services load directly.
 Batches: a global batch of train_batch_size rows per optimizer step; each rank takes its equal
 slice and walks it in micro-batches of micro_train_batch_size (DeepSpeed accumulates the
 gradients). Rows left over at the end of an epoch (fewer than a global batch) wait for the next
-epoch's shuffle.
+epoch's shuffle. A micro-batch's sequences go to the model right-padded, or with --packing_samples
+end to end in one row without padding (the RL learner's packed form, `services.learner.batches`);
+either way the outputs are read back in the padded layout, so the losses are the same functions.
 
 Metrics are ratios (numerator, denominator) summed over micro-batches and ranks, so a logged loss
 is the same number whatever the split into ranks and micro-batches. They go to the log and to
@@ -34,6 +36,9 @@ import torch.nn.functional as F
 from services.common.config import ConfigError, opt
 from services.common.datasets import DatasetError
 from services.common.log import get_logger, log_event
+from services.common.logprobs import token_logprobs
+from services.common.rl_math import last_token_values
+from services.learner.batches import MicroBatch, Sample, collate
 from services.learner.deepspeed_setup import (
     DeepSpeedOptions,
     build_engine,
@@ -42,6 +47,7 @@ from services.learner.deepspeed_setup import (
     init_distributed_from_env,
     load_pretrained,
 )
+from services.learner.learner_rank import forward_micro_batch
 
 _log = get_logger("offline")
 
@@ -90,6 +96,10 @@ class OfflineConfig(DeepSpeedOptions):
                             choices=["constant_with_warmup", "cosine_with_min_lr"])
     micro_train_batch_size: int = opt(8, "rows per forward/backward pass on one rank (a row: one example or one pair)")
     seed: int = opt(42, "seed of the data order (and of new weights, e.g. a reward model's head)")
+    packing_samples: bool = opt(False, "concatenate each micro-batch's sequences (SFT examples; the chosen and "
+                                "rejected sequences of RM / DPO pairs) into one row without padding; attention "
+                                "stays within each sequence (sdpa finds the boundaries from the position ids, "
+                                "--attn_implementation varlen and --flash_attn are given them)")
     max_steps: int = opt(0, "optimizer steps of the run: data rows // train_batch_size x max_epochs", derived=True)
 
     def validate(self) -> None:
@@ -111,8 +121,6 @@ class OfflineConfig(DeepSpeedOptions):
             else:
                 warnings.warn("--flash_attn needs a CUDA GPU; training on CPU with sdpa attention instead", stacklevel=2)
                 self.flash_attn = False
-        if self.packing_samples:
-            warnings.warn("--packing_samples is not used by the offline trainers yet; batches are padded", stacklevel=2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,6 +136,43 @@ def pad_right(sequences: Sequence[Sequence[int]], pad_value: int) -> tuple[torch
         values[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
         mask[i, : len(seq)] = 1
     return values, mask
+
+
+def sequences_batch(sequences: Sequence[Sequence[int]], pad_id: int, packed: bool) -> MicroBatch:
+    """Token sequences -> model inputs: right-padded (B, T), or packed into one (1, N) row with
+    positions restarting at 0 for each sequence and no attention mask.
+
+    Every token after a sequence's first counts as predicted (response_start 1), so in both forms
+    out_index is (B, T-1) and maps the model's next-token outputs to the padded layout: [i, t]
+    points at sequence i's prediction of its token t + 1.
+    """
+    samples = [Sample(torch.as_tensor(seq, dtype=torch.long), 1, {}) for seq in sequences]
+    return collate(samples, packed=packed, pad_id=pad_id)
+
+
+def next_token_logprobs(model, mb: MicroBatch) -> torch.Tensor:
+    """(B, T-1) float32 log p(token t+1 | tokens <= t) of the sequences of a `sequences_batch`, in
+    the padded layout whether mb is padded or packed; entries past a sequence's end are meaningless
+    (mask them with the sequence's loss mask)."""
+    logits = forward_micro_batch(model, mb).logits  # (rows, T, V)
+    if mb.seq_lengths is None:
+        logprobs = token_logprobs(logits[:, :-1], mb.input_ids[:, 1:])  # (B, T-1), 8 rows at a time
+    else:
+        # The packed row's tokens as rows of one, as many per chunk as 8 padded rows hold, so that
+        # the no-grad passes (evaluation, the DPO reference) never take the float32 log-softmax of
+        # the whole row at once.
+        chunk = 8 * max(mb.seq_lengths)
+        logprobs = token_logprobs(logits[0, :-1, None], mb.input_ids[0, 1:, None], chunk_rows=chunk)  # (N-1, 1)
+    return logprobs.reshape(-1)[mb.out_index]
+
+
+def last_token_outputs(outputs: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    """(rows, T) per-token outputs of a `sequences_batch` -> (B,) each sequence's output at its own
+    last token (where a reward model's score is read)."""
+    if mb.seq_lengths is None:
+        return last_token_values(outputs, mb.attention_mask)
+    ends = torch.tensor(mb.seq_lengths).cumsum(0) - 1  # (B,) positions in the packed row
+    return outputs.reshape(-1)[ends.to(outputs.device)]
 
 
 def response_logprob_sums(token_logprobs: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

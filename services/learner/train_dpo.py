@@ -17,7 +17,6 @@ import torch
 
 from services.common.config import ConfigError, opt, parse_config
 from services.common.datasets import load_preferences
-from services.common.logprobs import sequence_logprobs
 from services.learner.deepspeed_setup import load_pretrained
 from services.learner.offline import (
     OfflineConfig,
@@ -26,8 +25,10 @@ from services.learner.offline import (
     Ratios,
     dpo_loss,
     frozen_model,
+    next_token_logprobs,
     pad_right,
     response_logprob_sums,
+    sequences_batch,
 )
 
 
@@ -73,19 +74,21 @@ class DPOTrainer(OfflineTrainer):
     def prepare(self, ds_config: dict, device: torch.device) -> None:
         self.reference = frozen_model(self.config.ref_pretrain, self.config, ds_config, device)
 
-    def logprob_sums(self, model, ids, attention, loss_mask) -> tuple[torch.Tensor, torch.Tensor]:
-        """(2B,) response log-prob sums and (2B,) response lengths."""
-        return response_logprob_sums(sequence_logprobs(model, ids, attention), loss_mask)
+    def logprob_sums(self, model, mb, loss_mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """(2B,) response log-prob sums and (2B,) response lengths of a sequences_batch; loss_mask (2B, T)."""
+        return response_logprob_sums(next_token_logprobs(model, mb), loss_mask)
 
     def micro_batch(self, engine, rows: list, train: bool) -> tuple:
         c = self.config
         pad = self.tokenizer.pad_token_id
-        ids, attention = pad_right([r.chosen_ids for r in rows] + [r.rejected_ids for r in rows], pad)
+        # Chosen then rejected sequences, padded or packed into one row.
+        mb = sequences_batch([r.chosen_ids for r in rows] + [r.rejected_ids for r in rows], pad,
+                             c.packing_samples).to(engine.device)
         loss_mask, _ = pad_right([r.chosen_mask for r in rows] + [r.rejected_mask for r in rows], 0)
-        ids, attention, loss_mask = (t.to(engine.device) for t in (ids, attention, loss_mask))
-        policy, lengths = self.logprob_sums(engine, ids, attention, loss_mask)  # (2B,), (2B,)
+        loss_mask = loss_mask.to(engine.device)
+        policy, lengths = self.logprob_sums(engine, mb, loss_mask)  # (2B,), (2B,)
         with torch.no_grad():
-            reference, _ = self.logprob_sums(self.reference, ids, attention, loss_mask)
+            reference, _ = self.logprob_sums(self.reference, mb, loss_mask)
         if c.ipo:  # IPO's target 1 / (2 beta) is set for per-token mean log-ratios
             policy_in, reference_in = policy / lengths, reference / lengths
         else:

@@ -22,17 +22,17 @@ import torch
 
 from services.common.config import ConfigError, opt, parse_config
 from services.common.datasets import load_preferences
-from services.common.logprobs import position_ids_from_mask
-from services.common.rl_math import last_token_values
 from services.learner.deepspeed_setup import load_pretrained
+from services.learner.learner_rank import forward_micro_batch
 from services.learner.offline import (
     OfflineConfig,
     OfflineTrainer,
     PreferenceKeys,
     Ratios,
-    pad_right,
+    last_token_outputs,
     pairwise_reward_loss,
     save_hf_model,
+    sequences_batch,
 )
 
 STATS_ROWS = 1024  # pairs per rank scored for the saved mean/std when there is no evaluation data
@@ -81,13 +81,12 @@ class RMTrainer(OfflineTrainer):
         return load_pretrained(self.config.pretrain, self.config, ds_config, kind="critic")
 
     def scores(self, engine, rows: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """(chosen (B,), rejected (B,)) scores in one forward pass over the 2B sequences."""
-        ids, attention = pad_right([r.chosen_ids for r in rows] + [r.rejected_ids for r in rows],
-                                   self.tokenizer.pad_token_id)
-        ids, attention = ids.to(engine.device), attention.to(engine.device)
-        out = engine(input_ids=ids, attention_mask=attention, position_ids=position_ids_from_mask(attention),
-                     use_cache=False)
-        scores = last_token_values(out.logits.squeeze(-1).float(), attention)  # (2B,)
+        """(chosen (B,), rejected (B,)) scores in one forward pass over the 2B sequences (padded
+        rows, or with --packing_samples all of them in one row)."""
+        mb = sequences_batch([r.chosen_ids for r in rows] + [r.rejected_ids for r in rows],
+                             self.tokenizer.pad_token_id, self.config.packing_samples).to(engine.device)
+        values = forward_micro_batch(engine, mb).logits.squeeze(-1).float()  # (rows, T)
+        scores = last_token_outputs(values, mb)  # (2B,)
         return scores[: len(rows)], scores[len(rows):]
 
     def micro_batch(self, engine, rows: list, train: bool) -> tuple:

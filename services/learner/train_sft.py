@@ -15,9 +15,17 @@ import sys
 
 from services.common.config import opt, parse_config
 from services.common.datasets import load_sft
-from services.common.logprobs import sequence_logprobs
 from services.learner.deepspeed_setup import load_pretrained
-from services.learner.offline import OfflineConfig, OfflineTrainer, Ratios, pad_right, response_logprob_sums, sft_loss
+from services.learner.offline import (
+    OfflineConfig,
+    OfflineTrainer,
+    Ratios,
+    next_token_logprobs,
+    pad_right,
+    response_logprob_sums,
+    sequences_batch,
+    sft_loss,
+)
 
 
 @dataclasses.dataclass
@@ -50,10 +58,11 @@ class SFTTrainer(OfflineTrainer):
         return load_pretrained(self.config.pretrain, self.config, ds_config, kind="causal_lm")
 
     def micro_batch(self, engine, rows: list, train: bool) -> tuple:
-        ids, attention = pad_right([r.input_ids for r in rows], self.tokenizer.pad_token_id)
-        loss_mask, _ = pad_right([r.loss_mask for r in rows], 0)
-        ids, attention, loss_mask = ids.to(engine.device), attention.to(engine.device), loss_mask.to(engine.device)
-        logprobs = sequence_logprobs(engine, ids, attention)  # (B, T-1)
+        mb = sequences_batch([r.input_ids for r in rows], self.tokenizer.pad_token_id,
+                             self.config.packing_samples).to(engine.device)
+        loss_mask, _ = pad_right([r.loss_mask for r in rows], 0)  # (B, T), padded or packed alike
+        loss_mask = loss_mask.to(engine.device)
+        logprobs = next_token_logprobs(engine, mb)  # (B, T-1)
         loss = sft_loss(logprobs, loss_mask)
         sums, counts = response_logprob_sums(logprobs.detach(), loss_mask)
         ratios: Ratios = {"loss": (-float(sums.sum()), float(counts.sum())),

@@ -2,8 +2,8 @@
 
 Each trainer runs as a real process on CPU (one rank, gloo) through a different entry point
 (`rlmesh sft`, `deepspeed --module services.learner.train_rm`, `python -m
-services.learner.train_dpo`); the checks then load the saved folders with plain transformers, so
-they do not trust the trainers' own numbers.
+services.learner.train_dpo`; SFT and DPO also with --packing_samples); the checks then load the
+saved folders with plain transformers, so they do not trust the trainers' own numbers.
 
 The preference data is the kit's arithmetic split turned into a format preference (the boxed
 answer over a bare wrong one): a tiny model learns that from a few steps and it carries over to
@@ -84,12 +84,14 @@ def response_logprob(model, tokenizer, prompt: str, response: str) -> float:
     return float(picked[n_prompt - 1:].sum())
 
 
-def test_sft_lowers_heldout_loss_and_saves_a_loadable_policy(tiny_model_dir, data, tmp_path):
+@pytest.mark.parametrize("packing", [[], ["--packing_samples"]], ids=["padded", "packed"])
+def test_sft_lowers_heldout_loss_and_saves_a_loadable_policy(tiny_model_dir, data, tmp_path, packing):
     out = tmp_path / "sft"
     run_trainer([sys.executable, "-m", "services.cli", "sft", "--pretrain", str(tiny_model_dir),
                  "--dataset", str(data["sft"]), "--eval_dataset", str(data["sft_heldout"]),
                  "--input_key", "prompt", "--output_key", "response", "--max_samples", "256",
-                 "--micro_train_batch_size", "16", "--learning_rate", "3e-3", "--save_path", str(out), *COMMON])
+                 "--micro_train_batch_size", "16", "--learning_rate", "3e-3", "--save_path", str(out), *COMMON,
+                 *packing])
     metrics = read_metrics(out)
     evals = [m["eval/loss"] for m in metrics if "eval/loss" in m]
     train = [m["train/loss"] for m in metrics if "train/loss" in m]
@@ -141,12 +143,13 @@ def test_reward_model_ranks_heldout_pairs(tiny_model_dir, data, tmp_path):
     assert served.tolist() == pytest.approx(chosen, abs=1e-4)
 
 
-def test_dpo_raises_the_heldout_log_ratio_margin(tiny_model_dir, data, tmp_path):
+@pytest.mark.parametrize("packing", [[], ["--packing_samples"]], ids=["padded", "packed"])
+def test_dpo_raises_the_heldout_log_ratio_margin(tiny_model_dir, data, tmp_path, packing):
     out = tmp_path / "dpo"
     run_trainer([sys.executable, "-m", "services.learner.train_dpo", "--pretrain", str(tiny_model_dir),
                  "--dataset", str(data["prefs"]), "--eval_dataset", str(data["prefs_heldout"]),
                  "--beta", "0.1", "--nll_loss_coef", "0.1", "--micro_train_batch_size", "16",
-                 "--learning_rate", "1e-3", "--save_path", str(out), *COMMON])
+                 "--learning_rate", "1e-3", "--save_path", str(out), *COMMON, *packing])
     metrics = read_metrics(out)
     evals = [m for m in metrics if "eval/margin" in m]
     assert evals[0]["eval/margin"] == pytest.approx(0.0, abs=1e-5)  # policy == reference before training
