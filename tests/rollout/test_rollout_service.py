@@ -231,19 +231,21 @@ def test_bad_input_is_rejected_while_other_callers_are_served(stub):
 
 def test_cancel_aborts_the_requests_inside_vllm(stub, vllm_rollout):
     before = vllm_rollout.metrics()
+    # 1,024 samples of 253 tokens: ~15 s of work for the tiny model on 2 cores, so the cancel lands
+    # while they run (128 of them finished in under 2 s, faster than a loaded machine polls).
     prompts = [token_prompt(f"c{i}", [40 + i, 41, 42]) for i in range(32)]
-    call = stub.Generate(rollout_pb2.GenerateRequest(prompts=prompts, n=4, sampling=rollout_pb2.SamplingOptions(
+    call = stub.Generate(rollout_pb2.GenerateRequest(prompts=prompts, n=32, sampling=rollout_pb2.SamplingOptions(
         max_tokens=MAX_MODEL_LEN - 3, ignore_eos=True)), timeout=600)
     deadline = time.monotonic() + 60
-    while vllm_rollout.metrics()["rlmesh_rollout_running_samples"] < 128:
-        assert time.monotonic() < deadline, "the 128 samples never ran"
+    while vllm_rollout.metrics()["rlmesh_rollout_running_samples"] < 1024:
+        assert time.monotonic() < deadline, "the 1024 samples never ran"
         time.sleep(0.1)
     call.cancel()
     deadline = time.monotonic() + 10
     while vllm_rollout.metrics()["rlmesh_rollout_running_samples"] > 0:
         assert time.monotonic() < deadline, "samples still running 10 s after the cancel"
         time.sleep(0.1)
-    # The engine is free at once: a short call does not queue behind 128 x 250 tokens.
+    # The engine is free at once: a short call does not queue behind the rest of 1024 x 253 tokens.
     start = time.perf_counter()
     assert len(generate(stub, prompts[:2], max_tokens=4)) == 2
     assert time.perf_counter() - start < 5.0
