@@ -34,6 +34,7 @@ from services.learner.deepspeed_setup import (
     load_pretrained,
     trainable_parameters,
 )
+from services.learner.logprob_head import forward_micro_batch
 from services.learner.spmd import RankSpec, join_process_group
 from services.learner.weight_push import Chunk, WeightSender
 
@@ -41,14 +42,6 @@ log = get_logger("learner")
 
 # A two-token stand-in for ranks with no samples left in a forward pass (ZeRO-3 needs them there).
 _FILLER = Sample(torch.tensor([0, 0]), 1, {})
-
-
-def forward_micro_batch(model, mb: MicroBatch):
-    """The model's output on a MicroBatch. Padded: positions from the mask. Packed: the given
-    positions and no mask, from which transformers keeps attention within each sample (it does so
-    only without a KV cache, hence use_cache=False), or with varlen / flash attention the
-    samples' boundaries."""
-    return model(**logprob_head.backbone_kwargs(getattr(model, "module", model), mb))
 
 
 class LearnerRank:

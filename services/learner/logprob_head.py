@@ -128,7 +128,8 @@ def triton_available() -> bool:
 def logprobs_and_grad_(z: torch.Tensor, labels: torch.Tensor, inv_t: float) -> torch.Tensor:
     """In place on z (N, V): log-probs (N,) float32 returned, z replaced by d logp / d z."""
     if z.is_cuda and triton_available():
-        z = z.contiguous()
+        if not z.is_contiguous():  # a copy would leave the caller's z without the gradient
+            raise ValueError("logprobs_and_grad_ works in place on a contiguous (N, V) tensor")
         out = torch.empty(z.shape[0], dtype=torch.float32, device=z.device)
         if z.shape[0]:
             _triton_kernel()[(z.shape[0],)](z, labels, out, z.stride(0), z.shape[1], inv_t, BLOCK=2048, num_warps=8)
@@ -180,6 +181,14 @@ def backbone_kwargs(model, mb) -> dict:
 
         kwargs.update(packed_kwargs(mb.seq_lengths, mb.input_ids.device))
     return kwargs
+
+
+def forward_micro_batch(model, mb):
+    """The model's output on a MicroBatch. Padded: positions from the mask. Packed: the given
+    positions and no mask, from which transformers keeps attention within each sample (it does so
+    only without a KV cache, hence use_cache=False), or with varlen / flash attention the
+    samples' boundaries. model: a transformers model or a DeepSpeed engine around one."""
+    return model(**backbone_kwargs(getattr(model, "module", model), mb))
 
 
 def response_outputs(model, mb, temperature: float, head: str, chunk_tokens: int, want_entropy: bool):

@@ -47,7 +47,7 @@ from services.learner.deepspeed_setup import (
     init_distributed_from_env,
     load_pretrained,
 )
-from services.learner.learner_rank import forward_micro_batch
+from services.learner.logprob_head import forward_micro_batch
 
 _log = get_logger("offline")
 

@@ -23,7 +23,7 @@ import torch
 from services.common.config import ConfigError, opt, parse_config
 from services.common.datasets import load_preferences
 from services.learner.deepspeed_setup import load_pretrained
-from services.learner.learner_rank import forward_micro_batch
+from services.learner.logprob_head import forward_micro_batch
 from services.learner.offline import (
     OfflineConfig,
     OfflineTrainer,

@@ -18,6 +18,7 @@ Without them, a 2-D padding mask (right or left padding) or else one sequence pe
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -38,11 +39,17 @@ def packed_kwargs(lengths: list[int], device) -> dict:
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
-def _flash_varlen(q, k, v, cu, longest: int, scale: float | None) -> torch.Tensor:
-    """q (N, Hq, D), k/v (N, Hkv, D), cu (S+1,) int32 -> (N, Hq, D), causal within each sequence."""
+@functools.cache
+def _varlen_attn():
+    """torch's varlen_attn and the names of its parameters (they differ between torch releases)."""
     from torch.nn.attention.varlen import varlen_attn
 
-    params = inspect.signature(varlen_attn).parameters
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _flash_varlen(q, k, v, cu, longest: int, scale: float | None) -> torch.Tensor:
+    """q (N, Hq, D), k/v (N, Hkv, D), cu (S+1,) int32 -> (N, Hq, D), causal within each sequence."""
+    varlen_attn, params = _varlen_attn()
     extra = {}
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in params:

@@ -11,7 +11,7 @@ from services.common.logprobs import token_logprobs
 from services.learner import checkpoint
 from services.learner.batches import Sample, collate, plan_training
 from services.learner.deepspeed_setup import lr_multiplier
-from services.learner.learner_rank import forward_micro_batch
+from services.learner.logprob_head import forward_micro_batch
 from services.learner.spmd import resolve_rank_spec
 
 
