@@ -5,6 +5,7 @@ idempotent, so a non-idempotent call (e.g. a training step) is never sent twice.
 """
 
 import asyncio
+import dataclasses
 import json
 import pathlib
 import time
@@ -12,6 +13,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.security import ClientCredentials, client_credentials
 from services.common.server import channel_options
 
 
@@ -73,6 +75,56 @@ class _SyncDeadline(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInte
         return continuation(_with_deadline(details, self.default_timeout_s), request_iterator)
 
 
+def _with_metadata(details, metadata):
+    return details._replace(metadata=(*(details.metadata or ()), *metadata))
+
+
+class _AioMetadata(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
+                   grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
+    """Adds fixed metadata (the shared token) to every call."""
+
+    def __init__(self, metadata):
+        self.metadata = metadata
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(_with_metadata(details, self.metadata), request)
+
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(_with_metadata(details, self.metadata), request)
+
+    async def intercept_stream_unary(self, continuation, details, request_iterator):
+        return await continuation(_with_metadata(details, self.metadata), request_iterator)
+
+    async def intercept_stream_stream(self, continuation, details, request_iterator):
+        return await continuation(_with_metadata(details, self.metadata), request_iterator)
+
+
+class _SyncMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                    grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    def __init__(self, metadata):
+        self.metadata = metadata
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(_with_metadata(details, self.metadata), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(_with_metadata(details, self.metadata), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(_with_metadata(details, self.metadata), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(_with_metadata(details, self.metadata), request_iterator)
+
+
+def _resolve(credentials: ClientCredentials | None, tls_ca: str, tls_cert: str, tls_key: str) -> ClientCredentials:
+    """The caller's credentials, else this process's (services.common.security); explicit TLS files win."""
+    creds = credentials if credentials is not None else client_credentials()
+    if tls_ca or tls_cert or tls_key:
+        creds = dataclasses.replace(creds, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
+    return creds
+
+
 def _options(service_full_name, idempotent_methods, max_message_mb, keepalive_time_s, keepalive_timeout_s):
     return [*channel_options(max_message_mb, keepalive_time_s, keepalive_timeout_s),
             ("grpc.enable_retries", 1),
@@ -87,26 +139,36 @@ def _credentials(tls_ca: str, tls_cert: str, tls_key: str):
 def make_channel(address: str, service_full_name: str = "", idempotent_methods=(),
                  default_timeout_s: float = 60.0, max_message_mb: int = 256,
                  keepalive_time_s: float = 30.0, keepalive_timeout_s: float = 10.0,
-                 tls_ca: str = "", tls_cert: str = "", tls_key: str = "") -> grpc.aio.Channel:
-    """An asyncio channel to `address`. tls_ca enables TLS; tls_cert/tls_key add a client certificate (mTLS)."""
+                 tls_ca: str = "", tls_cert: str = "", tls_key: str = "",
+                 credentials: ClientCredentials | None = None) -> grpc.aio.Channel:
+    """An asyncio channel to `address`. tls_ca enables TLS; tls_cert/tls_key add a client certificate (mTLS).
+    credentials: TLS files and shared token; None = this process's (services.common.security.client_credentials),
+    ClientCredentials() = plaintext and no token (for servers outside the run)."""
+    creds = _resolve(credentials, tls_ca, tls_cert, tls_key)
     options = _options(service_full_name, idempotent_methods, max_message_mb, keepalive_time_s, keepalive_timeout_s)
     interceptors = [_AioDeadline(default_timeout_s)]
-    if tls_ca:
-        return grpc.aio.secure_channel(address, _credentials(tls_ca, tls_cert, tls_key), options, interceptors=interceptors)
+    if creds.token:
+        interceptors.append(_AioMetadata(creds.metadata()))
+    if creds.tls_ca:
+        return grpc.aio.secure_channel(address, _credentials(creds.tls_ca, creds.tls_cert, creds.tls_key), options,
+                                       interceptors=interceptors)
     return grpc.aio.insecure_channel(address, options, interceptors=interceptors)
 
 
 def make_sync_channel(address: str, service_full_name: str = "", idempotent_methods=(),
                       default_timeout_s: float = 60.0, max_message_mb: int = 256,
                       keepalive_time_s: float = 30.0, keepalive_timeout_s: float = 10.0,
-                      tls_ca: str = "", tls_cert: str = "", tls_key: str = "") -> grpc.Channel:
-    """A blocking channel to `address`, with the same deadline and retry rules as make_channel."""
+                      tls_ca: str = "", tls_cert: str = "", tls_key: str = "",
+                      credentials: ClientCredentials | None = None) -> grpc.Channel:
+    """A blocking channel to `address`, with the same deadline, retry and credential rules as make_channel."""
+    creds = _resolve(credentials, tls_ca, tls_cert, tls_key)
     options = _options(service_full_name, idempotent_methods, max_message_mb, keepalive_time_s, keepalive_timeout_s)
-    if tls_ca:
-        channel = grpc.secure_channel(address, _credentials(tls_ca, tls_cert, tls_key), options)
+    if creds.tls_ca:
+        channel = grpc.secure_channel(address, _credentials(creds.tls_ca, creds.tls_cert, creds.tls_key), options)
     else:
         channel = grpc.insecure_channel(address, options)
-    return grpc.intercept_channel(channel, _SyncDeadline(default_timeout_s))
+    interceptors = [_SyncDeadline(default_timeout_s)] + ([_SyncMetadata(creds.metadata())] if creds.token else [])
+    return grpc.intercept_channel(channel, *interceptors)
 
 
 async def wait_for_serving(address: str, timeout_s: float, service: str = "", **channel_kwargs) -> None:

@@ -25,7 +25,7 @@ def metric_name(service: str, what: str, unit: str = "") -> str:
     return "_".join(p for p in ("rlmesh", service, what, unit) if p)
 
 
-def start_metrics_server(service: str, port: int, host: str = "0.0.0.0") -> int:
+def start_metrics_server(service: str, port: int, host: str = "127.0.0.1") -> int:
     """Serves the default registry on host:port (0 = a free port); returns the real port."""
     if service not in _build_info_created:
         info = prometheus_client.Info(metric_name(service, "build"), f"rlmesh {service} build information")

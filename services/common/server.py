@@ -1,7 +1,8 @@
 """The gRPC server runner every service uses.
 
-It binds host:port (0 picks a free port and the real one is reported), sets explicit message size
-limits and keepalive, serves grpc.health.v1 and server reflection, optional TLS / mutual TLS,
+It binds host:port (loopback unless told otherwise; 0 picks a free port and the real one is
+reported), sets explicit message size limits and keepalive, serves grpc.health.v1 and server
+reflection, optional TLS / mutual TLS, a shared token on every mutating RPC (services.common.security),
 Prometheus metrics on their own port, and shuts down gracefully on SIGTERM: health goes
 NOT_SERVING, in-flight calls get `grace_period_s` to finish, then the server stops.
 """
@@ -22,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from services.common.config import ConfigError, opt
 from services.common.log import get_logger, log_event
 from services.common.metrics import start_metrics_server
+from services.common.security import TokenAuthInterceptor, read_token_file, resolve_token
 
 MiB = 1024 * 1024
 
@@ -30,7 +32,8 @@ MiB = 1024 * 1024
 class ServerConfig:
     """Network settings shared by every service."""
 
-    host: str = opt("0.0.0.0", "address to bind the gRPC server to")
+    host: str = opt("127.0.0.1", "address to bind the gRPC and metrics servers to; 0.0.0.0 = every interface "
+                    "(containers, other machines: then also set --auth_token_file and TLS)")
     port: int = opt(0, "gRPC port; 0 picks a free port (reported on stdout and in --ready_file)")
     metrics_port: int = opt(-1, "Prometheus metrics HTTP port; 0 picks a free port, -1 disables")
     max_message_mb: int = opt(256, "largest gRPC message sent or received, in MiB")
@@ -41,6 +44,13 @@ class ServerConfig:
     tls_key: str = opt("", "PEM private key of --tls_cert")
     tls_client_ca: str = opt("", "PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS)")
     ready_file: str = opt("", "when set, a JSON file with the bound address and ports is written here once serving")
+    tls_ca: str = opt("", "PEM CA bundle that signed the certificates of the services this process calls; enables "
+                      "TLS on its client channels (with --tls_cert/--tls_key also sent as client certificate)")
+    auth_token_file: str = opt("", "file holding the shared token every mutating RPC must carry (and this process "
+                               "sends); default: env RLMESH_AUTH_TOKEN, or the file env RLMESH_AUTH_TOKEN_FILE "
+                               "names; none = no check")
+    auth_token: str = opt("", "the shared token itself; visible in `ps`, so prefer --auth_token_file or env "
+                          "RLMESH_AUTH_TOKEN")
 
     def validate_server(self) -> None:
         if not 0 <= self.port < 65536:
@@ -51,10 +61,12 @@ class ServerConfig:
             raise ConfigError("--tls_cert and --tls_key must be given together")
         if self.tls_client_ca and not self.tls_cert:
             raise ConfigError("--tls_client_ca (mutual TLS) needs --tls_cert and --tls_key")
-        for name in ("tls_cert", "tls_key", "tls_client_ca"):
+        for name in ("tls_cert", "tls_key", "tls_client_ca", "tls_ca", "auth_token_file"):
             path = getattr(self, name)
             if path and not pathlib.Path(path).is_file():
                 raise ConfigError(f"--{name} {path}: no such file")
+        if self.auth_token_file:
+            read_token_file(self.auth_token_file, "--auth_token_file")  # an empty file fails here, not later
 
     def validate(self) -> None:
         self.validate_server()
@@ -76,12 +88,15 @@ def channel_options(max_message_mb: int, keepalive_time_s: float, keepalive_time
 class ServiceRunner:
     """Owns one grpc.aio server with health, reflection, metrics and graceful shutdown."""
 
-    def __init__(self, name: str, config: ServerConfig):
+    def __init__(self, name: str, config: ServerConfig, auth_token: str | None = None):
+        """auth_token: the shared token mutating RPCs must carry; None = from the config / environment."""
         self.name = name
         self.config = config
         self.log = get_logger(name)
+        self.auth_token = resolve_token(config.auth_token, config.auth_token_file) if auth_token is None else auth_token
+        interceptors = [TokenAuthInterceptor(self.auth_token, name)] if self.auth_token else []
         self.server = grpc.aio.server(options=channel_options(
-            config.max_message_mb, config.keepalive_time_s, config.keepalive_timeout_s))
+            config.max_message_mb, config.keepalive_time_s, config.keepalive_timeout_s), interceptors=interceptors)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names: list[str] = []
@@ -140,7 +155,7 @@ class ServiceRunner:
             os.replace(tmp, cfg.ready_file)
         print("RLMESH_READY " + json.dumps(ready), flush=True)
         log_event(self.log, "server.started", address=ready["address"], metrics_port=self.metrics_port,
-                  tls=bool(cfg.tls_cert), mtls=bool(cfg.tls_client_ca))
+                  tls=bool(cfg.tls_cert), mtls=bool(cfg.tls_client_ca), auth_token=bool(self.auth_token))
         return self.port
 
     def request_stop(self) -> None:

@@ -13,6 +13,7 @@ import grpc
 
 from rlmesh.reward.v1 import reward_pb2_grpc
 from services.common.client import make_channel
+from services.common.security import ClientCredentials
 from services.reward.client import REWARD_SERVICE, score_request, scores_from_response
 from services.reward.remote import FinalError, RemotePolicy, RemoteSource, RetryableError
 from services.reward.source import ScoreBatch, SourceScores
@@ -39,9 +40,10 @@ class GrpcRewardSource(RemoteSource):
             if endpoint.address in self._stubs:
                 continue
             # No channel-level retries: RemotePolicy retries, and two layers would multiply attempts.
+            # Empty credentials: a server outside the run never gets the run's token.
             channel = make_channel(endpoint.address.removeprefix(SCHEME), REWARD_SERVICE,
                                    default_timeout_s=self.policy.timeout_s, max_message_mb=self.max_message_mb,
-                                   tls_ca=self.tls_ca)
+                                   tls_ca=self.tls_ca, credentials=ClientCredentials())
             self._channels.append(channel)
             self._stubs[endpoint.address] = reward_pb2_grpc.RewardServiceStub(channel)
 

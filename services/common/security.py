@@ -1,0 +1,172 @@
+"""Who may call a service: a shared token on every RPC that changes or spends something, and the
+credentials (TLS CA, client certificate, token) a process's own client channels present.
+
+Server side: when a service has a token (`--auth_token_file`, env RLMESH_AUTH_TOKEN or
+RLMESH_AUTH_TOKEN_FILE, or `--auth_token`), every RPC except the read-only ones in
+`OPEN_METHODS` (health, reflection, GetInfo / GetModelInfo / GetRewardInfo, the coordinator's
+GetStatus / StreamMetrics) must carry the metadata `authorization: Bearer <token>`; others get
+UNAUTHENTICATED with a message saying what to send. Deny by default: a new RPC is protected until
+it is listed as open here. Without a token nothing is checked (TLS with a client CA still is).
+
+Client side: `client_credentials()` is what every channel of this process uses unless the caller
+passes its own. It starts from the environment (RLMESH_AUTH_TOKEN / RLMESH_AUTH_TOKEN_FILE, no
+TLS); the coordinator replaces it once at start-up from its flags (`set_client_credentials`).
+Channels to third-party servers (the reward service's remote reward servers) pass their own,
+empty, credentials so that the token never leaves the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import os
+import pathlib
+import secrets
+
+import grpc
+
+from services.common.config import ConfigError
+
+TOKEN_ENV = "RLMESH_AUTH_TOKEN"
+TOKEN_FILE_ENV = "RLMESH_AUTH_TOKEN_FILE"
+METADATA_KEY = "authorization"
+SCHEME = "Bearer "
+
+# Read-only RPCs anyone who can reach the port may call (health probes, dashboards, discovery).
+OPEN_METHODS = frozenset({
+    "/grpc.health.v1.Health/Check",
+    "/grpc.health.v1.Health/Watch",
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+    "/rlmesh.rollout.v1.RolloutService/GetModelInfo",
+    "/rlmesh.learner.v1.LearnerService/GetInfo",
+    "/rlmesh.reward.v1.RewardService/GetRewardInfo",
+    "/rlmesh.coordinator.v1.CoordinatorService/GetStatus",
+    "/rlmesh.coordinator.v1.CoordinatorService/StreamMetrics",
+})
+
+
+def read_token_file(path: str, flag: str) -> str:
+    file = pathlib.Path(path)
+    if not file.is_file():
+        raise ConfigError(f"{flag} {path}: no such file; write the shared token into it (one line)")
+    token = file.read_text().strip()
+    if not token:
+        raise ConfigError(f"{flag} {path} is empty; write the shared token into it (one line)")
+    return token
+
+
+def resolve_token(auth_token: str = "", auth_token_file: str = "") -> str:
+    """The shared token: --auth_token, else --auth_token_file, else env RLMESH_AUTH_TOKEN, else the
+    file env RLMESH_AUTH_TOKEN_FILE names; "" when none is set (no check)."""
+    if auth_token:
+        return auth_token.strip()
+    if auth_token_file:
+        return read_token_file(auth_token_file, "--auth_token_file")
+    if os.environ.get(TOKEN_ENV, "").strip():
+        return os.environ[TOKEN_ENV].strip()
+    if os.environ.get(TOKEN_FILE_ENV):
+        return read_token_file(os.environ[TOKEN_FILE_ENV], f"env {TOKEN_FILE_ENV}")
+    return ""
+
+
+def new_token() -> str:
+    """A random token for one run (256 bits)."""
+    return secrets.token_urlsafe(32)
+
+
+def write_token_file(path: pathlib.Path, token: str) -> None:
+    """Writes the token readable by this user only (created with mode 0600, never world-readable)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# Server side
+
+
+def _denied_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that only aborts with code/message."""
+
+    async def unary_response(request_or_iterator, context):
+        await context.abort(code, message)
+
+    async def stream_response(request_or_iterator, context):
+        await context.abort(code, message)
+        yield  # never reached; makes this an async generator like the handler it stands in for
+
+    kind = (handler.request_streaming, handler.response_streaming)
+    factory = {(False, False): grpc.unary_unary_rpc_method_handler,
+               (False, True): grpc.unary_stream_rpc_method_handler,
+               (True, False): grpc.stream_unary_rpc_method_handler,
+               (True, True): grpc.stream_stream_rpc_method_handler}[kind]
+    behaviour = stream_response if handler.response_streaming else unary_response
+    return factory(behaviour, request_deserializer=handler.request_deserializer,
+                   response_serializer=handler.response_serializer)
+
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every RPC outside OPEN_METHODS that does not carry the shared token."""
+
+    def __init__(self, token: str, service_name: str):
+        self._expected = (SCHEME + token).encode()
+        self.service_name = service_name
+
+    def check(self, method: str, metadata) -> str:
+        """"" when the call may proceed, else the reason it may not."""
+        if method in OPEN_METHODS:
+            return ""
+        sent = next((value for key, value in metadata or () if key == METADATA_KEY), None)
+        if sent is None:
+            return (f"{method} on the {self.service_name} service needs the run's shared token: send the metadata "
+                    f"'{METADATA_KEY}: {SCHEME}<token>' (rlmesh clients do when started with the same "
+                    f"--auth_token_file or env {TOKEN_ENV} as this service)")
+        value = sent.encode() if isinstance(sent, str) else sent
+        if not hmac.compare_digest(value, self._expected):
+            return (f"{method} on the {self.service_name} service: the token sent is not this service's; give the "
+                    f"client the same --auth_token_file / env {TOKEN_ENV} the service was started with")
+        return ""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        reason = self.check(handler_call_details.method, handler_call_details.invocation_metadata)
+        handler = await continuation(handler_call_details)
+        if not reason or handler is None:
+            return handler
+        return _denied_handler(handler, grpc.StatusCode.UNAUTHENTICATED, reason)
+
+
+# ----------------------------------------------------------------------------------------------
+# Client side
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientCredentials:
+    """What this process's channels to rlmesh services present."""
+
+    tls_ca: str = ""  # PEM CA bundle that signed the services' certificates; "" = plaintext
+    tls_cert: str = ""  # PEM client certificate for mutual TLS (with tls_key); "" = none
+    tls_key: str = ""
+    token: str = ""  # shared token sent on every call; "" = none
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((METADATA_KEY, SCHEME + self.token),) if self.token else ()
+
+
+_client_credentials: ClientCredentials | None = None
+
+
+def client_credentials() -> ClientCredentials:
+    """This process's client credentials: what set_client_credentials set, else the token from the
+    environment (RLMESH_AUTH_TOKEN / RLMESH_AUTH_TOKEN_FILE) and no TLS."""
+    global _client_credentials
+    if _client_credentials is None:
+        _client_credentials = ClientCredentials(token=resolve_token())
+    return _client_credentials
+
+
+def set_client_credentials(credentials: ClientCredentials) -> None:
+    """Sets what every channel of this process presents from now on (called once at start-up)."""
+    global _client_credentials
+    _client_credentials = credentials
