@@ -1,6 +1,8 @@
 """The `rlmesh` console script: one entry point for every service and tool.
 
     rlmesh serve rollout|reward|learner|coordinator [options]   run one service
+    rlmesh serve rollout|reward|learner --run_config RUN.yaml [options]
+                                     ... with the settings the coordinator would give it for that run
     rlmesh train --config examples/tiny_grpo.yaml                the RL loop (coordinator)
     rlmesh quickstart                                            the embedded end-to-end default
     rlmesh sft|rm|dpo|eval|plot ...                              offline trainers and tools
@@ -41,8 +43,19 @@ def main(argv: list[str] | None = None) -> int:
         if not rest or rest[0] not in SERVICES:
             print(f"rlmesh serve: name one of {', '.join(SERVICES)}", file=sys.stderr)
             return 2
-        module = importlib.import_module(f"services.{rest[0]}.__main__")
-        return module.main(rest[1:]) or 0
+        service, options = rest[0], rest[1:]
+        if any(a == "--run_config" or a.startswith("--run_config=") for a in options):
+            # Settings from the run's one YAML file (services/coordinator/run_config.py).
+            from services.common.config import ConfigError
+            from services.coordinator.run_config import expand_run_config
+
+            try:
+                options = expand_run_config(service, options)
+            except ConfigError as exc:
+                print(f"config error: {exc}", file=sys.stderr)
+                return 2
+        module = importlib.import_module(f"services.{service}.__main__")
+        return module.main(options) or 0
     if command not in COMMANDS:
         print(f"rlmesh: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ import yaml
 
 from services.common.config import build_parser
 from services.coordinator.config import CoordinatorConfig
+from services.coordinator.run_config import split_run_config
 from services.learner.config import LearnerConfig
 from services.reward.config import RewardConfig
 from services.rollout.config import RolloutConfig
@@ -57,6 +58,10 @@ def test_compose_commands_name_real_flags():
             continue
         service = command[1] if command[0] == "serve" else "coordinator"
         argv = command[2:] if command[0] == "serve" else command[1:]
+        # --run_config (the run's YAML, mounted from deploy/config) is the console script's, not the service's.
+        run_config, argv = split_run_config(argv)
+        if run_config:
+            assert (ROOT / "deploy" / "config" / pathlib.Path(run_config).relative_to("/config")).is_file()
         build_parser(CONFIGS[service]).parse_args(argv)  # SystemExit (a failure) on an unknown flag or bad value
         checked += 1
     assert checked == 4

@@ -186,8 +186,10 @@ class CoordinatorConfig(ServerConfig):
     reward_addresses: list[str] = opt([], "static: host:port of each reward service (env RLMESH_REWARD_ADDRESSES)")
     ref_addresses: list[str] = opt([], "static: host:port of each reference service (env RLMESH_REF_ADDRESSES)")
     learner_address: str = opt("", "static: host:port of the learner's rank 0 (env RLMESH_LEARNER_ADDRESS)")
-    weight_sync_master: str = opt("", "host:port the learner's rank 0 opens for weight transfer; empty = "
-                                  "the learner's host and a free port")
+    weight_sync_master: str = opt("", "host:port the learner's rank 0 opens for weight transfer (the rollout "
+                                  "engines connect to it); empty = a free port on the learner's host when this "
+                                  "run starts the learner or shares its host, else (static placement) the host "
+                                  "of --learner_address and port 29600")
     service_start_timeout_s: float = opt(900.0, "how long to wait for a service to report SERVING")
     rollout_extra_args: str = opt("", "extra command-line options for every rollout service, e.g. '--max_model_len 2048'")
     reward_extra_args: str = opt("", "extra command-line options for every reward / reference service")
@@ -202,6 +204,9 @@ class CoordinatorConfig(ServerConfig):
     # The coordinator's own gRPC API (GetStatus, StreamMetrics, Pause, Resume, Stop) and metrics.
     host: str = opt("127.0.0.1", "address the coordinator's control API binds to")
     metrics_port: int = opt(0, "Prometheus port of the training metrics; 0 picks a free port, -1 disables")
+    metrics_final_scrape_timeout_s: float = opt(
+        60.0, "at the end of a run whose metrics were being scraped, keep serving them until one more scrape "
+        "has taken the last step's values, at most this many seconds; 0 = exit at once")
 
     # ---- derived in validate() ----------------------------------------------------------------
     on_gpu: bool = opt(False, "services run on GPUs", derived=True)

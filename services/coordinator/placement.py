@@ -266,6 +266,34 @@ async def serves(address: str, service: str, timeout_s: float = 5.0) -> bool:
         return False
 
 
+DEFAULT_WEIGHT_SYNC_PORT = 29600  # static placement, learner on another host: the rendezvous port
+
+
+def instance_addresses(addresses: list[str]) -> list[str]:
+    """host:port of every instance behind `addresses`: a name that resolves to several IP addresses
+    (all A/AAAA records: `docker compose up --scale rollout=2`, a Kubernetes headless Service)
+    stands for one instance per address. IPv4 addresses are used when there are any (a dual-stack
+    host has an IPv4 and an IPv6 address: one instance, not two). A name with one address, an IP,
+    or a name that does not resolve stays as given (waiting for it reports what is wrong)."""
+    found: list[str] = []
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        ips: list[str] = []
+        for family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                infos = socket.getaddrinfo(host.strip("[]"), int(port), family=family, type=socket.SOCK_STREAM)
+            except (OSError, ValueError):
+                continue
+            ips = sorted({info[4][0] for info in infos})
+            if ips:
+                break
+        if len(ips) < 2:
+            found.append(address)
+        else:
+            found += [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]
+    return list(dict.fromkeys(found))
+
+
 class StaticPlacement:
     """Services started elsewhere (docker compose, Kubernetes, by hand): wait until they serve."""
 
@@ -278,6 +306,12 @@ class StaticPlacement:
         cfg = self.cfg
         addresses = [*cfg.rollout_addresses, *cfg.reward_addresses, *cfg.ref_addresses, cfg.learner_address]
         await asyncio.gather(*(wait_for_serving(a, cfg.service_start_timeout_s) for a in dict.fromkeys(addresses)))
+        # A name may stand for several instances (compose --scale, a Kubernetes headless Service).
+        cfg.rollout_addresses = await asyncio.to_thread(instance_addresses, cfg.rollout_addresses)
+        cfg.reward_addresses = await asyncio.to_thread(instance_addresses, cfg.reward_addresses)
+        cfg.ref_addresses = await asyncio.to_thread(instance_addresses, cfg.ref_addresses)
+        found = [a for a in (*cfg.rollout_addresses, *cfg.reward_addresses, *cfg.ref_addresses) if a not in addresses]
+        await asyncio.gather(*(wait_for_serving(a, cfg.service_start_timeout_s) for a in dict.fromkeys(found)))
         if not cfg.reward_addresses:
             raise RuntimeError("--placement static needs --reward_addresses (or env RLMESH_REWARD_ADDRESSES)")
         reference = list(cfg.ref_addresses)
@@ -301,7 +335,9 @@ class StaticPlacement:
             return "127.0.0.1", free_port()
         if host in (socket.gethostname(), socket.gethostbyname(socket.gethostname())):
             return host, free_port(host)
-        return None  # the loop asks for --weight_sync_master
+        # Elsewhere no free port can be picked from here: a fixed, documented one, which firewalls
+        # and network policies can open (the learner's container or pod has its own ports).
+        return host, DEFAULT_WEIGHT_SYNC_PORT
 
     async def stop(self) -> None:
         """Services started elsewhere keep running."""

@@ -25,6 +25,7 @@ import json  # noqa: E402
 import pathlib  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 import warnings  # noqa: E402
 
 from services.common.config import ConfigError, parse_config
@@ -35,8 +36,10 @@ from services.coordinator.config import CoordinatorConfig
 from services.coordinator.control import RunControl, add_to_runner
 from services.coordinator.data import build_prompt_stream
 from services.coordinator.evaluate import load_eval_prompts
+from services.coordinator.final_scrape import ScrapeWatch
 from services.coordinator.metrics import MetricsLog
 from services.coordinator.placement import LocalPlacement, StaticPlacement
+from services.coordinator.run_config import total_steps_of
 from services.coordinator.trainer import Trainer, new_state
 
 _log = get_logger("coordinator")
@@ -104,12 +107,10 @@ async def run(config: CoordinatorConfig) -> int:
     tokenizer = AutoTokenizer.from_pretrained(config.pretrain)
     stream = build_prompt_stream(config, tokenizer)
     eval_prompts = eval_prompts_of(config, tokenizer)
-    total_steps = stream.total_steps(config.rollout_batch_size)
+    total_steps = total_steps_of(config, stream.total_steps(config.rollout_batch_size))
     if total_steps == 0:
         raise ConfigError(f"--rollout_batch_size {config.rollout_batch_size} is larger than the {len(stream)} "
                           "usable prompts; lower it or add data")
-    if config.max_steps:
-        total_steps = min(total_steps, config.max_steps)
 
     # Before the control server starts: joining Ray forks processes (see RayPlacement.connect).
     placement = make_placement(config, run_dir, total_steps)
@@ -117,6 +118,7 @@ async def run(config: CoordinatorConfig) -> int:
     control.run_dir, control.total_steps = str(run_dir), total_steps
     runner = ServiceRunner("coordinator", config)
     add_to_runner(runner, control)
+    scrapes = ScrapeWatch() if config.metrics_port >= 0 else None
     await runner.start()
     main_task = asyncio.current_task()
     loop = asyncio.get_running_loop()
@@ -163,6 +165,10 @@ async def run(config: CoordinatorConfig) -> int:
         await asyncio.shield(placement.stop())
         if control.metrics is not None:
             control.metrics.close()
+        if scrapes is not None:
+            if not interrupted:  # a stop signal leaves no time to wait (docker stop kills after 10 s)
+                await scrapes.wait_for_scrape_after(time.monotonic(), config.metrics_final_scrape_timeout_s)
+            scrapes.close()
         await runner.server.stop(1.0)
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
