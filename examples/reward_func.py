@@ -1,7 +1,8 @@
 """A reward function file: `python -m services.reward --remote_rm_url examples/reward_func.py`.
 
-The service imports this file and calls reward_func on batches of samples, in a thread off its event
-loop with a time limit per batch (--reward_func_timeout_s). Return one number per sample (a list,
+The service imports this file in worker processes and calls reward_func there, in their main thread
+(so libraries that use SIGALRM, such as math-verify, work), on batches of --remote_rm_batch_size
+samples with a time limit per batch (--reward_func_timeout_s). Return one number per sample (a list,
 numpy array or torch tensor), or a dict with "rewards" and optionally "scores" (raw scores, e.g.
 for filtering) and "extra_logs" (name -> one number per sample, reported as metrics).
 """

@@ -12,7 +12,8 @@ The server speaks rlmesh.reward.v1.RewardService (Score, GetRewardInfo) with hea
 metrics and graceful shutdown like every rlmesh service; point the reward service at it with
 `--remote_rm_url grpc://host:50051`. The function gets the same arguments and may return the same
 things as a reward function file (see function_source.py); raising
-services.common.errors.ServiceError sends that status to the caller.
+services.common.errors.ServiceError sends that status to the caller. Calls run in worker processes,
+which import the function by name: define it at module level and keep the `__main__` guard.
 """
 
 import dataclasses
@@ -29,7 +30,7 @@ class FunctionServerConfig(ServerConfig):
     """A gRPC reward server around a Python reward function."""
 
     batch_size: int = opt(1024, "samples per call of the function; larger requests are split")
-    max_in_flight: int = opt(4, "calls of the function running at once (each in its own thread)")
+    max_in_flight: int = opt(4, "calls of the function running at once (each in its own worker process)")
     timeout_s: float = opt(300.0, "time limit of one call of the function, seconds")
 
     def validate(self) -> None:

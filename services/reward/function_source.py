@@ -2,24 +2,25 @@
 
     def reward_func(queries, prompts, labels, **kwargs):
         return [...]          # one number per sample (list, numpy array or torch tensor), or
-        return {"rewards": [...], "scores": [...], "extra_logs": {"name": [...]}}
+        return {"rewards": [...], "scores": [...], "extra_logs": {"name": [...] or a number}}
 
 (`--remote_rm_url path/to/file.py`), or any such callable handed over in Python (the gRPC server
-base in function_server.py). Besides the three lists, the function receives those of `responses`,
-`sample_ids` and `data_sources` that it names or, with **kwargs, all of them.
+base in function_server.py; it must be defined at module level, since workers import it by name).
+Besides the three lists, the function receives those of `responses`, `sample_ids` and
+`data_sources` that it names or, with **kwargs, all of them.
 
-Each batch runs in its own daemon thread, off the event loop, with a time limit. Python cannot stop
-a thread, so a call past the limit fails the batch and is left to finish in the background; being a
-daemon thread it never holds up shutdown.
+Each call runs in a worker process, in its main thread (function_worker.py): libraries that time
+out with SIGALRM, such as math-verify, work as in a script, and a call past the time limit is
+stopped by killing its worker, which is replaced. Up to `max_in_flight` workers are started as
+calls need them. A crash, a hang or an exception in user code fails the request with an error
+naming the file and the samples; it never turns into a reward of zero.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import inspect
-import pathlib
-import threading
+import concurrent.futures
+import multiprocessing
 import time
 from collections.abc import Callable
 
@@ -27,84 +28,161 @@ import grpc
 
 from services.common.config import ConfigError
 from services.common.errors import ServiceError
-from services.reward import metrics
+from services.reward import function_worker, metrics
 from services.reward.source import InvalidScores, RewardSource, ScoreBatch, SourceScores, invalid_response, \
     scores_from_payload
 
-OPTIONAL_ARGUMENTS = ("responses", "sample_ids", "data_sources")
-
 
 def load_reward_func(path: str) -> Callable:
-    """Imports `reward_func` from a Python file; ConfigError says what is missing."""
-    file = pathlib.Path(path)
-    if not file.is_file():
-        raise ConfigError(f"--remote_rm_url {path}: no such file")
-    spec = importlib.util.spec_from_file_location(f"rlmesh_reward_func_{file.stem}", file)
-    module = importlib.util.module_from_spec(spec)
+    """Imports `reward_func` from a Python file in this process; ConfigError says what is missing."""
     try:
-        spec.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001 - any import failure of user code is a config problem
-        raise ConfigError(f"--remote_rm_url {path}: importing it failed: {type(exc).__name__}: {exc}") from exc
-    func = vars(module).get("reward_func")
-    if not callable(func):
-        raise ConfigError(f"--remote_rm_url {path}: defines no function reward_func(queries, prompts, labels, **kwargs)")
-    return func
+        return function_worker.load_reward_func(path)
+    except function_worker.ImportProblem as exc:
+        raise ConfigError(str(exc)) from None
 
 
-def _run_in_daemon_thread(func: Callable, *args, **kwargs) -> asyncio.Future:
-    """Starts func in a daemon thread; the returned future gets its result or exception."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
+class _Worker:
+    """One worker process and the parent's end of its pipe. Its blocking methods run in threads."""
 
-    def settle(ok: bool, value) -> None:
-        if not future.done():  # cancelled when the caller gave up on it
-            (future.set_result if ok else future.set_exception)(value)
+    def __init__(self, target, origin: str):
+        ctx = multiprocessing.get_context("spawn")  # never a fork of this threaded (gRPC, torch) process
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=function_worker.serve, args=(child, target), daemon=True,
+                                   name=f"reward-func:{origin}")
+        self.process.start()
+        child.close()
 
-    def target() -> None:
+    def wait_ready(self, timeout_s: float) -> tuple:
+        """("ready", optional args) | ("failed", why) | ("timeout",) | ("died", exit code)."""
+        return self._receive(timeout_s)
+
+    def call(self, request: tuple, timeout_s: float) -> tuple:
+        """Sends one call and waits for its answer; a worker past the limit is killed here."""
         try:
-            result, ok = func(*args, **kwargs), True
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            result, ok = exc, False
-        try:
-            loop.call_soon_threadsafe(settle, ok, result)
-        except RuntimeError:
-            pass  # the event loop closed while the function ran; nobody waits for it
+            self.conn.send(request)
+        except (OSError, EOFError):
+            return self._died()
+        return self._receive(timeout_s)
 
-    threading.Thread(target=target, daemon=True, name="reward-func").start()
-    return future
+    def _receive(self, timeout_s: float) -> tuple:
+        try:
+            if not self.conn.poll(timeout_s):
+                self.kill()
+                return ("timeout",)
+            return self.conn.recv()
+        except (EOFError, OSError):
+            return self._died()
+
+    def _died(self) -> tuple:
+        self.process.join(5)
+        code = self.process.exitcode
+        self.kill()
+        return ("died", code)
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(5)
+        self.conn.close()
 
 
 class FunctionRewardSource(RewardSource):
-    """Calls a reward function on chunks of `batch_size` samples, `max_in_flight` at a time."""
+    """Calls a reward function on chunks of `batch_size` samples, in up to `max_in_flight` worker processes."""
 
     kind = "function"
 
-    def __init__(self, func: Callable, origin: str, timeout_s: float, batch_size: int = 1024,
-                 max_in_flight: int = 4):
-        self.func = func
+    def __init__(self, func: Callable | str, origin: str, timeout_s: float, batch_size: int = 1024,
+                 max_in_flight: int = 4, start_timeout_s: float | None = None):
+        """func: the function, or the path of a file defining reward_func. The first worker starts here
+        (so a file that does not import is a ConfigError before the service serves)."""
+        self.target = func
         self.origin = origin
         self.timeout_s = timeout_s
         self.batch_size = batch_size
         self.max_in_flight = max_in_flight
-        params = inspect.signature(func).parameters.values()
-        takes_all = any(p.kind == p.VAR_KEYWORD for p in params)
-        names = {p.name for p in params}
-        self.optional = [a for a in OPTIONAL_ARGUMENTS if takes_all or a in names]
-        self._limit: asyncio.Semaphore | None = None
+        # Importing the user's file may load models: it gets at least the call limit.
+        self.start_timeout_s = start_timeout_s or max(timeout_s, 60.0)
+        # One thread per worker waits on its pipe, so the event loop never blocks on user code.
+        self._threads = concurrent.futures.ThreadPoolExecutor(max_in_flight + 1, thread_name_prefix="reward-func")
+        self._idle: list[_Worker] = []
+        self._live = 0
+        self._freed: asyncio.Condition | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        first = self._start_worker()
+        self.optional: list[str] = first.optional
+        self._idle.append(first)
+        self._live = 1
 
     @classmethod
     def from_file(cls, path: str, timeout_s: float, batch_size: int = 1024, max_in_flight: int = 4):
-        return cls(load_reward_func(path), path, timeout_s, batch_size, max_in_flight)
+        return cls(path, path, timeout_s, batch_size, max_in_flight)
 
     def describe(self) -> str:
         return self.origin
 
+    def _start_worker(self) -> _Worker:
+        """Starts a worker and waits until it imported the function (blocking; ConfigError if it cannot)."""
+        worker = _Worker(self.target, self.origin)
+        reply = worker.wait_ready(self.start_timeout_s)
+        if reply[0] == "ready":
+            worker.optional = reply[1]
+            return worker
+        worker.kill()
+        if reply[0] == "failed":
+            raise ConfigError(reply[1] if reply[1].startswith("--remote_rm_url") else
+                              f"reward function {self.origin}: loading it in a worker process failed: {reply[1]} "
+                              "(define it at module level, so that the worker can import it)")
+        if reply[0] == "timeout":
+            raise ConfigError(f"reward function {self.origin}: its worker process did not finish importing it "
+                              f"within {self.start_timeout_s:g} s; make the import faster or raise "
+                              "--reward_func_timeout_s")
+        raise ConfigError(f"reward function {self.origin}: its worker process exited with code {reply[1]} while "
+                          "importing it; run the file with python to see why")
+
     async def start(self) -> None:
-        self._limit = asyncio.Semaphore(self.max_in_flight)
+        # The condition belongs to one event loop; tests and tools may call from a new one each time.
+        if self._loop is not asyncio.get_running_loop():
+            self._loop, self._freed = asyncio.get_running_loop(), asyncio.Condition()
+
+    async def close(self) -> None:
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for worker in idle:
+            worker.kill()
+        # Busy workers are killed when their call returns (see _release); daemon processes never outlive us.
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    async def _acquire(self) -> _Worker:
+        async with self._freed:
+            while True:
+                if self._closed:
+                    raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the reward service is shutting down")
+                if self._idle:
+                    return self._idle.pop()
+                if self._live < self.max_in_flight:
+                    self._live += 1
+                    break
+                await self._freed.wait()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._threads, self._start_worker)
+        except BaseException:
+            await self._release(None)
+            raise
+
+    async def _release(self, worker: _Worker | None) -> None:
+        """Back to the idle list, or (None, or a worker that was killed) one live worker fewer."""
+        async with self._freed:
+            if worker is not None and worker.process.is_alive() and not self._closed:
+                self._idle.append(worker)
+            else:
+                if worker is not None:
+                    worker.kill()
+                self._live -= 1
+            self._freed.notify()
 
     async def score(self, batch: ScoreBatch) -> SourceScores:
-        if self._limit is None:
-            await self.start()
+        await self.start()
         tasks = [asyncio.create_task(self._score_chunk(batch.slice(i, i + self.batch_size), i))
                  for i in range(0, len(batch), self.batch_size)]
         try:
@@ -113,39 +191,70 @@ class FunctionRewardSource(RewardSource):
             for task in tasks:
                 task.cancel()
 
+    async def _call(self, request: tuple) -> tuple:
+        """Runs one call in a worker; if the caller gives up, the worker is freed when the call ends."""
+        worker = await self._acquire()
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._threads, worker.call, request, self.timeout_s)
+        try:
+            reply = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(lambda _: asyncio.ensure_future(self._release(worker)))
+            raise
+        await self._release(worker)
+        return reply
+
     async def _score_chunk(self, chunk: ScoreBatch, offset: int) -> SourceScores:
         extra = {"responses": chunk.responses, "sample_ids": chunk.sample_ids, "data_sources": chunk.data_sources}
         kwargs = {name: list(extra[name]) for name in self.optional}
-        span = f"samples {offset}..{offset + len(chunk) - 1}"
-        async with self._limit:
-            start = time.monotonic()
-            future = _run_in_daemon_thread(self.func, list(chunk.queries), list(chunk.prompts), list(chunk.labels),
-                                           **kwargs)
-            try:
-                result = await asyncio.wait_for(future, self.timeout_s)
-            except TimeoutError:
-                self._record("timeout", start)
-                raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   f"reward function {self.origin} did not return within --reward_func_timeout_s "
-                                   f"{self.timeout_s:g} s for {span} (it keeps running in the background); "
-                                   "make it faster, lower --remote_rm_batch_size, or raise the timeout") from None
-            except ServiceError:
-                # The function chose the status itself (e.g. INVALID_ARGUMENT for a missing label).
-                self._record("error", start)
-                raise
-            except Exception as exc:  # noqa: BLE001 - user code may raise anything
-                self._record("error", start)
-                raise ServiceError(grpc.StatusCode.INTERNAL,
-                                   f"reward function {self.origin} raised {type(exc).__name__}: {exc} "
-                                   f"(scoring {span})") from None
+        request = (list(chunk.queries), list(chunk.prompts), list(chunk.labels), kwargs)
+        span = _span(chunk, offset)
+        start = time.monotonic()
         try:
-            scores = scores_from_payload(result, len(chunk), offset)
+            reply = await self._call(request)
+        except ConfigError as exc:  # a replacement worker could not import the file
+            self._record("error", start)
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, f"{exc} (scoring {span})") from None
+        kind = reply[0]
+        if kind == "timeout":
+            self._record("timeout", start)
+            raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"reward function {self.origin} did not return within --reward_func_timeout_s "
+                               f"{self.timeout_s:g} s for {span}; its worker process was killed and is replaced; "
+                               "make it faster, lower --remote_rm_batch_size, or raise the timeout")
+        if kind == "died":
+            self._record("error", start)
+            raise ServiceError(grpc.StatusCode.INTERNAL,
+                               f"reward function {self.origin} crashed its worker process (exit code {reply[1]}) "
+                               f"while scoring {span}; the worker is replaced; run the function on these samples "
+                               "in a script to see why")
+        if kind == "error":
+            _, name, message, trace, status = reply
+            self._record("error", start)
+            if status:  # the function chose the status itself (e.g. INVALID_ARGUMENT for a missing label)
+                raise ServiceError(grpc.StatusCode[status], message)
+            where = f"\n{trace.rstrip()}" if trace else ""
+            raise ServiceError(grpc.StatusCode.INTERNAL,
+                               f"reward function {self.origin} raised {name}: {message} (scoring {span}){where}")
+        try:
+            scores = scores_from_payload(reply[1], len(chunk), offset)
         except InvalidScores as exc:
             self._record("invalid_response", start)
-            raise invalid_response(self.origin, str(exc)) from None
+            raise invalid_response(self.origin, f"{exc} (scoring {span})") from None
         self._record("ok", start)
         return scores
 
     def _record(self, outcome: str, start: float) -> None:
         metrics.REMOTE_REQUESTS.labels(self.origin, outcome).inc()
         metrics.REMOTE_DURATION.labels(self.origin).observe(time.monotonic() - start)
+
+
+def _span(chunk: ScoreBatch, offset: int) -> str:
+    """'sample 5 (id "p3/1")' or 'samples 0..63 (ids "p0/0" .. "p15/3")' for error messages."""
+    n = len(chunk)
+    if n == 1:
+        sid = chunk.sample_ids[0]
+        return f'sample {offset} (id "{sid}")' if sid else f"sample {offset}"
+    first, last = chunk.sample_ids[0], chunk.sample_ids[-1]
+    ids = f' (ids "{first}" .. "{last}")' if first or last else ""
+    return f"samples {offset}..{offset + n - 1}{ids}"

@@ -1,4 +1,4 @@
-"""Reward function files: loading, arguments, return forms, time limits, errors."""
+"""Reward function files: loading, arguments, return forms, worker processes, time limits, errors."""
 
 import asyncio
 import pathlib
@@ -22,18 +22,28 @@ def write(tmp_path, body: str) -> str:
     return str(path)
 
 
-def run(source, batch):
+def run(source, batch, close: bool = False):
     async def go():
         await source.start()
-        return await source.score(batch)
+        try:
+            return await source.score(batch)
+        finally:
+            if close:
+                await source.close()
 
     return asyncio.run(go())
+
+
+def score_error(source, batch) -> ServiceError:
+    with pytest.raises(ServiceError) as err:
+        run(source, batch)
+    return err.value
 
 
 def test_example_file(tmp_path):
     source = FunctionRewardSource.from_file(str(EXAMPLE), timeout_s=10, batch_size=2)
     responses = ["so \\boxed{4}", "\\boxed{5}", "maybe 4", "\\boxed{4}" + "x" * 300]
-    out = run(source, ScoreBatch.from_texts(["2+2="] * 4, responses, ["4"] * 4))
+    out = run(source, ScoreBatch.from_texts(["2+2="] * 4, responses, ["4"] * 4), close=True)
     np.testing.assert_allclose(out.rewards, [1.0, 0.0, 0.0, 1.0 - 0.001 * (len(responses[3]) - 200)])
     np.testing.assert_array_equal(out.extra["has_boxed"], [1, 1, 0, 1])
 
@@ -42,7 +52,8 @@ def test_positional_only_function_gets_no_extra_arguments_and_may_return_a_tenso
     path = write(tmp_path, "import torch\n"
                            "def reward_func(queries, prompts, labels):\n"
                            "    return torch.tensor([float(len(q)) for q in queries])\n")
-    out = run(FunctionRewardSource.from_file(path, timeout_s=10), ScoreBatch.from_texts(["ab", "c"], ["d", ""]))
+    out = run(FunctionRewardSource.from_file(path, timeout_s=10), ScoreBatch.from_texts(["ab", "c"], ["d", ""]),
+              close=True)
     np.testing.assert_array_equal(out.rewards, [3.0, 1.0])
 
 
@@ -50,7 +61,8 @@ def test_named_optional_arguments_are_passed(tmp_path):
     path = write(tmp_path, "def reward_func(queries, prompts, labels, data_sources, sample_ids):\n"
                            "    return [float(d == 'math') + len(s) for d, s in zip(data_sources, sample_ids)]\n")
     batch = ScoreBatch.from_texts(["a", "b"], ["", ""], sample_ids=["xy", "z"], data_sources=["math", "code"])
-    np.testing.assert_array_equal(run(FunctionRewardSource.from_file(path, timeout_s=10), batch).rewards, [3.0, 1.0])
+    source = FunctionRewardSource.from_file(path, timeout_s=10)
+    np.testing.assert_array_equal(run(source, batch, close=True).rewards, [3.0, 1.0])
 
 
 def test_runs_off_the_event_loop_and_times_out_per_batch(tmp_path):
@@ -80,6 +92,7 @@ def test_runs_off_the_event_loop_and_times_out_per_batch(tmp_path):
         task.cancel()
         # A later batch is scored while the stuck call is still running in the background.
         again = await source.score(ScoreBatch.from_texts(["a"], ["b"], ["0"]))
+        await source.close()
         return ok, err.value, again
 
     ok, err, again = asyncio.run(go())
@@ -103,12 +116,66 @@ def test_exception_and_bad_answers(tmp_path):
         with pytest.raises(ServiceError) as err:
             run(source, ScoreBatch.from_texts(["a"] * 3, [""] * 3, [label] * 3))
         assert err.value.code == code and words in err.value.message and "my_reward.py" in err.value.message
+    asyncio.run(source.close())
 
 
 def test_file_problems_are_config_errors(tmp_path):
+    # Checked in a worker process when the source is built, before the service serves.
+    with pytest.raises(ConfigError, match="importing it failed: ZeroDivisionError"):
+        FunctionRewardSource.from_file(write(tmp_path, "x = 1 / 0\n"), timeout_s=10)
+    with pytest.raises(ConfigError, match="defines no function reward_func"):
+        FunctionRewardSource.from_file(write(tmp_path, "def score(x):\n    return x\n"), timeout_s=10)
     with pytest.raises(ConfigError, match="defines no function reward_func"):
         load_reward_func(write(tmp_path, "def score(x):\n    return x\n"))
     with pytest.raises(ConfigError, match="importing it failed: SyntaxError"):
         load_reward_func(write(tmp_path, "def reward_func(:\n"))
     with pytest.raises(ConfigError, match="no such file"):
         load_reward_func(str(tmp_path / "absent.py"))
+
+
+def test_signal_based_libraries_work_in_the_worker_main_thread(tmp_path):
+    # math-verify limits its own time with SIGALRM, which only the main thread may set: in a thread
+    # every comparison fails and the reward is a silent 0.
+    path = write(tmp_path, "import threading\n"
+                           "from math_verify import parse, verify\n"
+                           "def reward_func(queries, prompts, labels, responses, **kw):\n"
+                           "    assert threading.current_thread() is threading.main_thread()\n"
+                           "    return [float(verify(parse('\\\\boxed{' + l + '}'), parse(r)))\n"
+                           "            for r, l in zip(responses, labels)]\n")
+    source = FunctionRewardSource.from_file(path, timeout_s=60, batch_size=2)
+    out = run(source, ScoreBatch.from_texts(["q"] * 3, ["\\boxed{\\frac{1}{2}}", "so \\boxed{3}", "\\boxed{7}"],
+                                            ["0.5", "3", "8"]), close=True)
+    np.testing.assert_array_equal(out.rewards, [1.0, 1.0, 0.0])
+
+
+def test_a_hang_or_crash_names_the_file_and_the_sample_and_the_worker_is_replaced(tmp_path):
+    path = write(tmp_path, "import os, time\n"
+                           "def reward_func(queries, prompts, labels, **kw):\n"
+                           "    if 'hang' in labels:\n"
+                           "        while True:\n"
+                           "            time.sleep(0.1)  # stuck, as in an endless loop\n"
+                           "    if 'crash' in labels:\n"
+                           "        os._exit(3)\n"
+                           "    if 'raise' in labels:\n"
+                           "        {}['missing']\n"
+                           "    return [1.0] * len(queries)\n")
+    source = FunctionRewardSource.from_file(path, timeout_s=2, batch_size=1, max_in_flight=2)
+
+    def batch(label):
+        return ScoreBatch.from_texts(["a", "b"], ["", ""], ["ok", label], sample_ids=["p0/0", "p0/1"])
+
+    t0 = time.monotonic()
+    hang = score_error(source, batch("hang"))
+    assert time.monotonic() - t0 < 10
+    assert hang.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "my_reward.py" in hang.message and 'sample 1 (id "p0/1")' in hang.message
+    crash = score_error(source, batch("crash"))
+    assert crash.code == grpc.StatusCode.INTERNAL and "exit code 3" in crash.message
+    assert "my_reward.py" in crash.message and 'sample 1 (id "p0/1")' in crash.message
+    raised = score_error(source, batch("raise"))
+    assert raised.code == grpc.StatusCode.INTERNAL and "raised KeyError: 'missing'" in raised.message
+    assert 'sample 1 (id "p0/1")' in raised.message and "my_reward.py\", line 9" in raised.message
+    # The killed workers were replaced; never more than max_in_flight at once.
+    np.testing.assert_array_equal(run(source, batch("ok")).rewards, [1.0, 1.0])
+    assert source._live <= 2
+    asyncio.run(source.close())
