@@ -162,7 +162,7 @@ def mean(records: list[dict], key: str) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", default="vllm", choices=["vllm", "hf"], help="rlmesh rollout engine")
     parser.add_argument("--steps", type=int, default=5, help="measured steps")
     parser.add_argument("--warmup", type=int, default=2, help="steps run first and left out of the means")

@@ -106,7 +106,7 @@ def through_service(address: str, n: int, repeats: int) -> tuple[float, list[flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=4096, help="samples scored through the service")
     parser.add_argument("--baseline_samples", type=int, default=60, help="samples scored one at a time")
     parser.add_argument("--latency_ms", type=float, default=50.0, help="server time per call, any batch size")

@@ -36,7 +36,7 @@ QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pretrain", default="", help="model folder; empty = build one of --model_shape in a temp dir")
     p.add_argument("--model_shape", default="tiny", choices=["tiny", "small", "qwen2.5-0.5b"],
                    help="random model built when --pretrain is empty")

@@ -50,7 +50,7 @@ HEADER_BYTES = 512  # one parameter's metadata as JSON, zero-padded
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="*", default=["tiny", "100m"], choices=sorted(SHAPES), help="model shapes")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="wire dtype (the engines' dtype)")
     p.add_argument("--bucket_mb", type=int, default=1024, help="largest bucket, MiB (the service's --weight_bucket_mb)")

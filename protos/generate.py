@@ -42,7 +42,7 @@ def package_dirs(rel: pathlib.Path) -> list[pathlib.Path]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="only compare; exit 1 when stale")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -46,7 +46,7 @@ QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", nargs="*", default=["plain", "fast"], choices=["plain", "fast"])
     p.add_argument("--batch", type=int, default=128, help="samples per TrainActor call = train_batch_size (OpenRLHF's default)")
     p.add_argument("--seq_len", type=int, default=2048, help="longest sequence, tokens")

@@ -40,7 +40,7 @@ from bench.gpu.learner_mfu import write_model  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bucket_mb", type=int, default=1024, help="PushWeightsStart.bucket_bytes, MiB")
     p.add_argument("--buckets_per_chunk", type=int, default=1, help="buckets per UpdateWeights call")
     p.add_argument("--repeats", type=int, default=5, help="timed pushes after one warm-up")

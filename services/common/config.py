@@ -39,8 +39,10 @@ def _base_type(tp):
 def build_parser(cls, description: str = "", parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     # Each option's help already states its default (argparse's own would print None: the parser's
     # defaults are None so that a YAML file can fill what the command line leaves out).
+    # allow_abbrev=False: a prefix of an option is an error, not silently that option (simpleRL's
+    # `--deepspeed FILE` must not become --deepspeed_enable_sleep).
     parser = parser or argparse.ArgumentParser(
-        prog=f"python -m {cls.__module__.rsplit('.', 1)[0]}", description=description or (cls.__doc__ or "").strip(), formatter_class=argparse.RawDescriptionHelpFormatter)
+        allow_abbrev=False, prog=f"python -m {cls.__module__.rsplit('.', 1)[0]}", description=description or (cls.__doc__ or "").strip(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, metavar="FILE.yaml",
                         help="YAML file whose keys are any of the options below (the command line wins)")
     hints = typing.get_type_hints(cls)

@@ -14,7 +14,7 @@ import torch
 
 KLEstimator = Literal["k1", "k2", "k3"]
 GroupEstimator = Literal["rloo", "reinforce_baseline", "group_norm", "dr_grpo"]
-LossLevel = Literal["token", "sequence"]
+LossLevel = Literal["token", "sequence", "sequence_sum"]
 
 # ----------------------------------------------------------------------------------------------
 # Masked reductions
@@ -222,7 +222,9 @@ def aggregate_loss(
       that accumulated gradients equal one big batch; defaults to sum(mask) of this call. A
       constant normalizer (e.g. the generation length, as Dr. GRPO does) is also valid.
     sequence: mean over each sequence's tokens, then sum / normalizer, normalizer being the
-      number of sequences in the global batch; defaults to B.
+      number of sequences in the global batch; defaults to B (veRL's seq-mean-token-mean).
+    sequence_sum: sum over each sequence's tokens, then sum / normalizer (sequences, as for
+      sequence); long responses weigh more (veRL's seq-mean-token-sum).
     """
     if level == "token":
         denom = mask.sum().clamp(min=1) if normalizer is None else normalizer
@@ -230,7 +232,10 @@ def aggregate_loss(
     if level == "sequence":
         per_sequence = masked_mean(loss, mask, dim=1)  # (B,)
         return per_sequence.sum() / (loss.shape[0] if normalizer is None else normalizer)
-    raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
+    if level == "sequence_sum":
+        per_sequence = masked_sum(loss, mask, dim=1)  # (B,)
+        return per_sequence.sum() / (loss.shape[0] if normalizer is None else normalizer)
+    raise ValueError(f"level must be 'token', 'sequence' or 'sequence_sum', got {level!r}")
 
 
 # ----------------------------------------------------------------------------------------------

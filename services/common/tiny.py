@@ -276,7 +276,7 @@ def make_data(out_dir: str | Path, seed: int = 0) -> Path:
 
 
 def main_make_tiny_model(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(allow_abbrev=False,
         prog="rlmesh make-tiny-model",
         description="Write a random-initialised tiny model with a locally trained tokenizer (no downloads).",
     )
@@ -301,7 +301,7 @@ def main_make_tiny_model(argv: list[str] | None = None) -> int:
 
 
 def main_make_data(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(allow_abbrev=False,
         prog="rlmesh make-data",
         description="Write the arithmetic, SFT and preference JSONL data sets (deterministic, local).",
     )

@@ -24,6 +24,9 @@ ADVANTAGE_ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group
 # Estimators whose baseline is the other samples of the same prompt.
 GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")
 PLACEMENTS = ("auto", "local", "ray", "static")
+# --loss_agg_mode -> the learner's aggregation level (services.common.rl_math.aggregate_loss); "" = default.
+LOSS_AGG_MODES = {"": "token", "token_mean": "token", "seq_mean_token_mean": "sequence",
+                  "seq_mean_token_sum": "sequence_sum"}
 
 
 class GpuOnlyFlagWarning(UserWarning):
@@ -132,6 +135,11 @@ class CoordinatorConfig(ServerConfig):
     dual_clip: float = opt(0.0, "dual-clip constant c > 1 for negative advantages; 0 = off")
     value_clip: float = opt(0.5, "value clip range")
     policy_loss_type: str = opt("ppo", "policy loss: token ratios (ppo) or sequence ratios (gspo)", choices=["ppo", "gspo"])
+    loss_agg_mode: str = opt("", "how per-token losses become one number (veRL's names, '-' or '_'): token_mean "
+                             "(sum / tokens of the batch), seq_mean_token_mean (mean per sequence, then over "
+                             "sequences), seq_mean_token_sum (sum per sequence, then mean over sequences); applies "
+                             "to the policy, KL, entropy and value terms; empty = token_mean, except that with "
+                             "--policy_loss_type gspo the policy term is seq_mean_token_mean (OpenRLHF's GSPO)")
     entropy_loss_coef: float = opt(0.0, "entropy bonus coefficient")
     dynamic_filtering: bool = opt(False, "DAPO dynamic sampling: drop prompts whose samples all get the same reward, and refill")
     dynamic_filtering_reward_range: list[float] = opt(
@@ -216,6 +224,14 @@ class CoordinatorConfig(ServerConfig):
 
     # ------------------------------------------------------------------------------------------
 
+    def loss_levels(self) -> tuple[str, str]:
+        """(level of the KL / entropy / value terms, level of the policy term) for the learner."""
+        level = LOSS_AGG_MODES[self.loss_agg_mode]
+        if not self.loss_agg_mode and self.policy_loss_type == "gspo":
+            # OpenRLHF's GSPO: the GSPO paper's per-sequence objective, KL and entropy per token.
+            return level, "sequence"
+        return level, level
+
     def actor_gpus(self) -> int:
         return self.actor_num_nodes * self.actor_num_gpus_per_node
 
@@ -229,6 +245,7 @@ class CoordinatorConfig(ServerConfig):
         self._check_placement_counts()
         self._check_batches()
         self._check_objective()
+        self._check_values()
         self._check_eval()
         self._check_gpu_only_flags()
 
@@ -385,6 +402,9 @@ class CoordinatorConfig(ServerConfig):
                 raise ConfigError(f"--dynamic_filtering_reward_range {low_high}: give LOW HIGH with LOW < HIGH")
         if self.eps_clip_low_high and len(self.eps_clip_low_high) != 2:
             raise ConfigError("--eps_clip_low_high takes two numbers: LOW HIGH (e.g. 0.2 0.28)")
+        self.loss_agg_mode = self.loss_agg_mode.replace("-", "_")
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ConfigError(f"--loss_agg_mode {self.loss_agg_mode}: use one of {', '.join(m for m in LOSS_AGG_MODES if m)}")
         if self.dual_clip and self.dual_clip <= 1:
             raise ConfigError(f"--dual_clip {self.dual_clip} must be > 1 (or 0 to disable)")
         if self.overlong_buffer_len < 0 or self.overlong_buffer_len >= self.generate_max_len:
@@ -408,6 +428,38 @@ class CoordinatorConfig(ServerConfig):
         if not self.critic_needed and (self.critic_pretrain or self.save_value_network):
             warnings.warn(f"--advantage_estimator {self.advantage_estimator} trains no critic; "
                           "--critic_pretrain / --save_value_network are ignored", stacklevel=2)
+
+    def _check_values(self) -> None:
+        """Numbers that make no sense fail here, before any service starts (never reinterpreted)."""
+        for name in ("init_kl_coef", "eps_clip", "value_clip", "entropy_loss_coef", "kl_target"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name} {getattr(self, name)} must be >= 0")
+        if any(e < 0 for e in self.eps_clip_low_high):
+            raise ConfigError(f"--eps_clip_low_high {self.eps_clip_low_high}: both clip ranges must be >= 0")
+        for name in ("gamma", "lambd"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"--{name} {getattr(self, name)} must be in [0, 1]")
+        if not self.actor_learning_rate > 0:
+            raise ConfigError(f"--actor_learning_rate {self.actor_learning_rate} must be > 0 (e.g. 5e-7)")
+        if self.critic_needed and not self.critic_learning_rate > 0:
+            raise ConfigError(f"--critic_learning_rate {self.critic_learning_rate} must be > 0 (e.g. 9e-6)")
+        if self.max_norm < 0:
+            raise ConfigError(f"--max_norm {self.max_norm} must be >= 0 (0 disables clipping)")
+        if not 0 <= self.lr_warmup_ratio < 1:
+            raise ConfigError(f"--lr_warmup_ratio {self.lr_warmup_ratio} must be in [0, 1)")
+        model_config = pathlib.Path(self.pretrain) / "config.json" if self.pretrain else None
+        if model_config is not None and model_config.is_file():
+            context = json.loads(model_config.read_text()).get("max_position_embeddings")
+            if isinstance(context, int) and self.generate_max_len > context:
+                raise ConfigError(f"--generate_max_len {self.generate_max_len} is beyond the model's context: "
+                                  f"{model_config} says max_position_embeddings {context}; use at most {context} "
+                                  "(minus the prompt's length)")
+        if self.normalize_reward and (self.remote_rm_url or self.reward_func):
+            # OpenRLHF's meaning: a reward model's scores with the mean / std stored in its config.
+            warnings.warn("--normalize_reward normalises a reward model's scores with the mean / std stored in its "
+                          "config.json; rewards from --remote_rm_url or --reward_func are used as they come (as in "
+                          "OpenRLHF), so it has no effect here; normalise in your reward server, or compare "
+                          "samples of a prompt with --advantage_estimator group_norm", stacklevel=2)
 
     def eval_enabled(self) -> bool:
         return bool(self.eval_dataset) and self.eval_steps > 0

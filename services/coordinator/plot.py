@@ -98,7 +98,7 @@ def plot_run(run_dir: pathlib.Path, keys: list[str] | None = None) -> list[pathl
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rlmesh plot", description=__doc__,
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="rlmesh plot", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="folder of a training run (holds metrics.jsonl)")
     parser.add_argument("--metrics", nargs="*", default=None,

@@ -56,6 +56,8 @@ LEARNER_IDEMPOTENT = ("GetInfo", "LogProbs", "Values", "SaveCheckpoint", "LoadCh
                       "Offload", "Reload")
 KL_ESTIMATORS = {"k1": learner_pb2.KL_ESTIMATOR_K1, "k2": learner_pb2.KL_ESTIMATOR_K2,
                  "k3": learner_pb2.KL_ESTIMATOR_K3}
+LOSS_LEVELS = {"token": learner_pb2.LOSS_AGGREGATION_TOKEN_MEAN, "sequence": learner_pb2.LOSS_AGGREGATION_SEQUENCE_MEAN,
+               "sequence_sum": learner_pb2.LOSS_AGGREGATION_SEQUENCE_SUM}
 BACKENDS = {"gloo": rollout_pb2.WEIGHT_BACKEND_GLOO, "nccl": rollout_pb2.WEIGHT_BACKEND_NCCL,
             "ipc": rollout_pb2.WEIGHT_BACKEND_IPC}
 
@@ -525,13 +527,15 @@ class Trainer:
     async def _train(self, step: int, batch: dict) -> dict:
         cfg = self.config
         low_high = cfg.eps_clip_low_high or [cfg.eps_clip, cfg.eps_clip]
+        level, policy_level = cfg.loss_levels()
         loss = learner_pb2.ActorLoss(
             policy_loss_type=learner_pb2.POLICY_LOSS_TYPE_GSPO if cfg.policy_loss_type == "gspo"
             else learner_pb2.POLICY_LOSS_TYPE_PPO,
             eps_clip_low=low_high[0], eps_clip_high=low_high[1], dual_clip=cfg.dual_clip,
             kl_coef=self.state.kl_coef if (cfg.use_kl_loss and self.use_ref) else 0.0,
             kl_estimator=KL_ESTIMATORS[cfg.kl_estimator], entropy_coef=cfg.entropy_loss_coef,
-            loss_aggregation=learner_pb2.LOSS_AGGREGATION_TOKEN_MEAN, temperature=cfg.temperature)
+            loss_aggregation=LOSS_LEVELS[level], policy_loss_aggregation=LOSS_LEVELS[policy_level],
+            temperature=cfg.temperature)
         seed = _step_seed(cfg.seed, step, "shuffle")
         calls = [self.learner.TrainActor(learner_pb2.TrainActorRequest(
             batch=self._experience(batch, actor=True), loss=loss, max_epochs=cfg.max_epochs, shuffle_seed=seed,
@@ -539,7 +543,7 @@ class Trainer:
         if self.use_critic:
             calls.append(self.learner.TrainCritic(learner_pb2.TrainCriticRequest(
                 batch=self._experience(batch, actor=False), value_clip=cfg.value_clip, max_epochs=cfg.max_epochs,
-                loss_aggregation=learner_pb2.LOSS_AGGREGATION_TOKEN_MEAN, shuffle_seed=seed,
+                loss_aggregation=LOSS_LEVELS[level], shuffle_seed=seed,
                 request_id=f"step{step}"), timeout=cfg.rpc_timeout_s))
         replies = await gather_or_cancel(calls)
         actor = replies[0]

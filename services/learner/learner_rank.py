@@ -220,17 +220,21 @@ class LearnerRank:
     def train_actor(self, payload: dict) -> dict:
         loss_cfg = payload["loss"]
         level = loss_cfg["level"]
+        policy_level = loss_cfg.get("policy_level", level)
         temperature = loss_cfg["temperature"]
         kl_coef, entropy_coef = loss_cfg["kl_coef"], loss_cfg["entropy_coef"]
 
         def micro_loss(mb: MicroBatch, step: StepPlan):
+            # Each term is normalised by the global batch's count of its own unit (tokens or
+            # sequences), so accumulated micro-batches equal one big batch.
             normalizer = step.tokens if level == "token" else step.sequences
+            policy_normalizer = step.tokens if policy_level == "token" else step.sequences
             mask = mb.action_mask
             logp, entropy = self._actor_outputs(mb, temperature, entropy_coef != 0)
             out = rl_math.policy_loss(logp, mb.fields["old_logprobs"], mb.fields["advantages"], mask,
                                       eps_low=loss_cfg["eps_low"], eps_high=loss_cfg["eps_high"],
                                       dual_clip=loss_cfg["dual_clip"], ratio_type=loss_cfg["ratio_type"],
-                                      level=level, normalizer=normalizer)
+                                      level=policy_level, normalizer=policy_normalizer)
             loss = out.loss
             tokens = float(mask.sum())
             stats = {"policy_loss": float(out.loss.detach()), "clip_ratio": float(out.clip_ratio) * tokens,

@@ -60,7 +60,8 @@ ERRORS = prometheus_client.Counter("rlmesh_learner_errors_total", "Calls that fa
 _KL_ESTIMATORS = {learner_pb2.KL_ESTIMATOR_UNSPECIFIED: "k3", learner_pb2.KL_ESTIMATOR_K1: "k1",
                   learner_pb2.KL_ESTIMATOR_K2: "k2", learner_pb2.KL_ESTIMATOR_K3: "k3"}
 _LEVELS = {learner_pb2.LOSS_AGGREGATION_UNSPECIFIED: "token", learner_pb2.LOSS_AGGREGATION_TOKEN_MEAN: "token",
-           learner_pb2.LOSS_AGGREGATION_SEQUENCE_MEAN: "sequence"}
+           learner_pb2.LOSS_AGGREGATION_SEQUENCE_MEAN: "sequence",
+           learner_pb2.LOSS_AGGREGATION_SEQUENCE_SUM: "sequence_sum"}
 
 
 class _CallTimer:
@@ -96,7 +97,7 @@ def _finite(field: str, value: float, lower: float | None = None) -> float:
 
 def _level(field: str, value: int) -> str:
     if value not in _LEVELS:
-        raise invalid_argument(field, None, f"unknown value {value}", "use TOKEN_MEAN or SEQUENCE_MEAN")
+        raise invalid_argument(field, None, f"unknown value {value}", "use TOKEN_MEAN, SEQUENCE_MEAN or SEQUENCE_SUM")
     return _LEVELS[value]
 
 
@@ -234,6 +235,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             "kl_coef": _finite("loss.kl_coef", loss.kl_coef, 0.0), "kl_estimator": _KL_ESTIMATORS[loss.kl_estimator],
             "entropy_coef": _finite("loss.entropy_coef", loss.entropy_coef),
             "level": _level("loss.loss_aggregation", loss.loss_aggregation),
+            "policy_level": _level("loss.policy_loss_aggregation", loss.policy_loss_aggregation
+                                   or loss.loss_aggregation),
             "temperature": _temperature("loss.temperature", loss.temperature),
         }
 

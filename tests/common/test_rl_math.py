@@ -237,6 +237,42 @@ def test_aggregation_levels():
     close(total, rm.aggregate_loss(loss, mask))
 
 
+def test_sequence_sum_aggregation_and_micro_batches():
+    loss = torch.tensor([[1.0, 2.0, 3.0, 100.0], [4.0, 100.0, 100.0, 100.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
+    close(rm.aggregate_loss(loss, mask, "sequence_sum"), (6 + 4) / 2)
+    # Sequence levels over micro-batches with the global sequence count == one big batch.
+    for level in ("sequence", "sequence_sum"):
+        parts = [rm.aggregate_loss(loss[i:i + 1], mask[i:i + 1], level, normalizer=2) for i in range(2)]
+        close(parts[0] + parts[1], rm.aggregate_loss(loss, mask, level))
+    with pytest.raises(ValueError, match="sequence_sum"):
+        rm.aggregate_loss(loss, mask, "seq")
+
+
+def test_gspo_with_openrlhf_aggregation_by_hand():
+    # Two sequences of 2 and 1 response tokens. Sequence log-ratios: mean(0.1, 0.3) = 0.2 and 0.5.
+    logp = torch.tensor([[-1.0, -1.0, 0.0], [-2.0, 0.0, 0.0]])
+    old = torch.tensor([[-1.1, -1.3, 0.0], [-2.5, 0.0, 0.0]])
+    ref = torch.tensor([[-1.0, -1.6, 0.0], [-2.3, 0.0, 0.0]])
+    adv = torch.tensor([[1.0, 1.0, 0.0], [-2.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    r1, r2 = 1.2214027581601699, 1.6487212707001282  # exp(0.2), exp(0.5)
+    # Sequence 1: A = 1, min(r1, 1.2) = 1.2 -> loss -1.2 on each token. Sequence 2: A = -2,
+    # min(-2 r2, -2 * 1.2) = -2 r2 -> loss 2 r2. OpenRLHF's GSPO: mean over sequences of each
+    # sequence's token mean.
+    per_token = torch.tensor([[-1.2, -1.2, 0.0], [2 * r2, 0.0, 0.0]])
+    assert r1 > 1.2
+    out = rm.policy_loss(logp, old, adv, mask, eps_low=0.2, ratio_type="sequence", level="sequence")
+    close(out.loss, (-1.2 + 2 * r2) / 2)
+    # Token mean (rlmesh's default before --loss_agg_mode) differs: sum / 3 tokens.
+    token = rm.policy_loss(logp, old, adv, mask, eps_low=0.2, ratio_type="sequence", level="token")
+    close(token.loss, per_token.sum() / 3)
+    # The KL term stays per token: k1 = logp - ref = 0, 0.6, 0.3 over the 3 tokens.
+    close(rm.kl_loss(logp, ref, mask, "k1", level="token"), 0.9 / 3)
+    close(rm.kl_loss(logp, ref, mask, "k1", level="sequence"), (0.3 + 0.3) / 2)
+    close(rm.kl_loss(logp, ref, mask, "k1", level="sequence_sum"), (0.6 + 0.3) / 2)
+
+
 def test_value_loss_without_clip_and_kl_loss():
     v = torch.tensor([[1.0, 0.0, 2.0]])
     close(rm.value_loss(v, torch.zeros(1, 3), torch.full((1, 3), 0.5), torch.ones(1, 3)), 0.5 * 2.75 / 3)

@@ -136,3 +136,48 @@ def test_learner_gets_the_fast_training_paths_on_gpu(paths):
     assert "--use_liger_kernel" in argv
     gpu.zero_stage = 3  # the output projection is sharded: full logits
     assert "--logprobs_head" not in learner_argv(gpu, total_steps=4, num_ranks=1)
+
+
+@pytest.mark.parametrize("extra, levels", [
+    ([], ("token", "token")),
+    (["--policy_loss_type", "gspo"], ("token", "sequence")),  # OpenRLHF's GSPO: policy per sequence
+    (["--policy_loss_type", "gspo", "--loss_agg_mode", "token_mean"], ("token", "token")),
+    (["--loss_agg_mode", "seq-mean-token-mean"], ("sequence", "sequence")),
+    (["--loss_agg_mode", "seq_mean_token_sum"], ("sequence_sum", "sequence_sum")),
+])
+def test_loss_agg_mode(paths, extra, levels):
+    assert parse(base(paths, *extra)).loss_levels() == levels
+
+
+def test_unknown_loss_agg_mode_names_the_choices(paths):
+    with pytest.raises(ConfigError, match="seq_mean_token_sum"):
+        parse(base(paths, "--loss_agg_mode", "seq_sum"))
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--init_kl_coef", "-0.01"], "--init_kl_coef -0.01 must be >= 0"),
+    (["--gamma", "1.5"], "--gamma 1.5 must be in [0, 1]"),
+    (["--lambd", "-0.1"], "--lambd -0.1 must be in [0, 1]"),
+    (["--eps_clip", "-0.2"], "--eps_clip -0.2 must be >= 0"),
+    (["--actor_learning_rate", "0"], "--actor_learning_rate 0.0 must be > 0"),
+    (["--advantage_estimator", "gae", "--critic_learning_rate=-1e-6"], "--critic_learning_rate -1e-06 must be > 0"),
+    (["--generate_max_len", "4096"], "beyond the model's context"),
+])
+def test_nonsense_values_are_config_errors(paths, extra, needle):
+    (paths / "model" / "config.json").write_text('{"max_position_embeddings": 1024}')
+    with pytest.raises(ConfigError) as err:
+        parse(base(paths, *extra))
+    assert needle in str(err.value)
+
+
+def test_abbreviations_are_rejected(capsys):
+    parser = build_parser(CoordinatorConfig)
+    for argv in (["--load"], ["--save_hf"], ["--packing"], ["--n_samples", "8"], ["--deepspeed_enable"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+        assert f"unrecognized arguments: {' '.join(argv)}" in capsys.readouterr().err
+
+
+def test_normalize_reward_without_a_reward_model_says_why_it_does_nothing(paths):
+    with pytest.warns(UserWarning, match="--normalize_reward normalises a reward model's scores"):
+        parse(base(paths, "--normalize_reward"))

@@ -249,3 +249,28 @@ def test_metrics_report_training(learner):
                    "rlmesh_learner_policy_loss", 'rlmesh_learner_learning_rate{model="actor"}',
                    'rlmesh_learner_grad_norm{model="critic"}'):
         assert needle in text, needle
+
+
+def test_gspo_trains_on_openrlhf_aggregation(learner, plain_model):
+    """On-policy (ratio 1) the policy loss is -A aggregated: per sequence for the GSPO policy term
+    (policy_loss_aggregation), per token for the KL term; over both ranks' micro-batches."""
+    stub = learner.stub
+    seqs, starts = random_sequences(TRAIN_BATCH, plain_model.config.vocab_size, seed=8)
+    lengths = response_lengths(seqs, starts)
+    assert len(set(lengths)) > 1, lengths  # the two aggregations differ only with unequal lengths
+    old = logprobs(stub, seqs, starts)
+    adv_values = [0.5, -1.0, 2.0, 1.5]
+    gaps = [0.1, 0.4, 0.2, 0.3]  # per sequence: ref = old - gap, so k1 = gap on every token
+    advantages = [torch.full((n,), a) for n, a in zip(lengths, adv_values)]
+    ref = [o - g for o, g in zip(old, gaps)]
+    loss = pb.ActorLoss(policy_loss_type=pb.POLICY_LOSS_TYPE_GSPO, eps_clip_low=0.2, kl_coef=0.01,
+                        kl_estimator=pb.KL_ESTIMATOR_K1, loss_aggregation=pb.LOSS_AGGREGATION_TOKEN_MEAN,
+                        policy_loss_aggregation=pb.LOSS_AGGREGATION_SEQUENCE_MEAN)
+    r = stub.TrainActor(pb.TrainActorRequest(batch=experience(seqs, starts, old_logprobs=old, advantages=advantages,
+                                                              ref_logprobs=ref), loss=loss), timeout=300)
+    assert (r.optimizer_steps, r.skipped_steps) == (1, 0)
+    tokens = sum(lengths)
+    assert r.policy_loss == pytest.approx(-sum(adv_values) / len(adv_values), abs=1e-4)
+    assert r.kl_loss == pytest.approx(sum(g * n for g, n in zip(gaps, lengths)) / tokens, abs=1e-4)
+    # The token mean of the same policy term is a different number.
+    assert abs(-sum(a * n for a, n in zip(adv_values, lengths)) / tokens - r.policy_loss) > 0.05

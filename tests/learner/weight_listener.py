@@ -33,7 +33,7 @@ def _buckets(group, request, slots):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--address", default="127.0.0.1", help="the learner's rank 0 host")
     parser.add_argument("--port", type=int, required=True, help="InitWeightTransfer master_port")
     parser.add_argument("--world_size", type=int, default=2, help="learner + listeners")

@@ -130,7 +130,7 @@ async def main(port: int, ready_file: str) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--ready_file", required=True)
     args = parser.parse_args()

@@ -27,6 +27,7 @@ class LossAggregation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LOSS_AGGREGATION_UNSPECIFIED: _ClassVar[LossAggregation]
     LOSS_AGGREGATION_TOKEN_MEAN: _ClassVar[LossAggregation]
     LOSS_AGGREGATION_SEQUENCE_MEAN: _ClassVar[LossAggregation]
+    LOSS_AGGREGATION_SEQUENCE_SUM: _ClassVar[LossAggregation]
 POLICY_LOSS_TYPE_UNSPECIFIED: PolicyLossType
 POLICY_LOSS_TYPE_PPO: PolicyLossType
 POLICY_LOSS_TYPE_GSPO: PolicyLossType
@@ -37,6 +38,7 @@ KL_ESTIMATOR_K3: KLEstimator
 LOSS_AGGREGATION_UNSPECIFIED: LossAggregation
 LOSS_AGGREGATION_TOKEN_MEAN: LossAggregation
 LOSS_AGGREGATION_SEQUENCE_MEAN: LossAggregation
+LOSS_AGGREGATION_SEQUENCE_SUM: LossAggregation
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
@@ -137,7 +139,7 @@ class ExperienceBatch(_message.Message):
     def __init__(self, input_ids: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., response_start: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., action_mask: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., old_logprobs: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., advantages: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., ref_logprobs: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., returns: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., old_values: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ...) -> None: ...
 
 class ActorLoss(_message.Message):
-    __slots__ = ("policy_loss_type", "eps_clip_low", "eps_clip_high", "dual_clip", "kl_coef", "kl_estimator", "entropy_coef", "loss_aggregation", "temperature")
+    __slots__ = ("policy_loss_type", "eps_clip_low", "eps_clip_high", "dual_clip", "kl_coef", "kl_estimator", "entropy_coef", "loss_aggregation", "temperature", "policy_loss_aggregation")
     POLICY_LOSS_TYPE_FIELD_NUMBER: _ClassVar[int]
     EPS_CLIP_LOW_FIELD_NUMBER: _ClassVar[int]
     EPS_CLIP_HIGH_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +149,7 @@ class ActorLoss(_message.Message):
     ENTROPY_COEF_FIELD_NUMBER: _ClassVar[int]
     LOSS_AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_LOSS_AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     policy_loss_type: PolicyLossType
     eps_clip_low: float
     eps_clip_high: float
@@ -156,7 +159,8 @@ class ActorLoss(_message.Message):
     entropy_coef: float
     loss_aggregation: LossAggregation
     temperature: float
-    def __init__(self, policy_loss_type: _Optional[_Union[PolicyLossType, str]] = ..., eps_clip_low: _Optional[float] = ..., eps_clip_high: _Optional[float] = ..., dual_clip: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[_Union[KLEstimator, str]] = ..., entropy_coef: _Optional[float] = ..., loss_aggregation: _Optional[_Union[LossAggregation, str]] = ..., temperature: _Optional[float] = ...) -> None: ...
+    policy_loss_aggregation: LossAggregation
+    def __init__(self, policy_loss_type: _Optional[_Union[PolicyLossType, str]] = ..., eps_clip_low: _Optional[float] = ..., eps_clip_high: _Optional[float] = ..., dual_clip: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[_Union[KLEstimator, str]] = ..., entropy_coef: _Optional[float] = ..., loss_aggregation: _Optional[_Union[LossAggregation, str]] = ..., temperature: _Optional[float] = ..., policy_loss_aggregation: _Optional[_Union[LossAggregation, str]] = ...) -> None: ...
 
 class TrainActorRequest(_message.Message):
     __slots__ = ("batch", "loss", "max_epochs", "shuffle_seed", "request_id")
