@@ -107,12 +107,27 @@ def _is_save_to_disk_folder(path: Path) -> bool:
 
 
 def _read_jsonl(path: Path) -> list[tuple[int, Any]]:
-    """(row number, parsed object) per non-blank line; unparsable lines carry a BadRow instead."""
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".json" and text.lstrip().startswith("["):
-        return list(enumerate(json.loads(text)))
+    """(row number, parsed object) per non-blank line; lines that are not UTF-8 or not JSON carry
+    a BadRow instead (each line is decoded on its own, so one bad byte costs one row)."""
+    data = path.read_bytes()
+    if path.suffix == ".json" and data.lstrip().startswith(b"["):
+        try:
+            return list(enumerate(json.loads(data.decode("utf-8"))))
+        except UnicodeDecodeError as exc:
+            line = data[:exc.start].count(b"\n") + 1
+            raise DatasetError(f"{path} line {line}: byte 0x{data[exc.start]:02x} is not UTF-8; save the file "
+                               "as UTF-8") from None
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{path} line {exc.lineno} column {exc.colno}: malformed JSON ({exc.msg}); fix "
+                               "the file, or write one JSON object per line (JSONL) to skip bad rows") from None
     rows = []
-    for number, line in enumerate(text.splitlines()):
+    for number, raw in enumerate(data.split(b"\n")):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            rows.append((number, BadRow("not UTF-8", f"byte 0x{raw[exc.start]:02x} at column {exc.start + 1} "
+                                        f"of line {number + 1}; save the file as UTF-8")))
+            continue
         if not line.strip():
             continue
         try:
@@ -253,13 +268,16 @@ class _Problems:
                                f"or run without --strict to skip bad rows")
         self.rows[problem.reason].append(index)
 
+    def reasons(self) -> str:
+        """'missing key 'prompt': 3 (rows 0, 1, 2); ...' over every reason, first rows of each."""
+        return "; ".join(f"{reason}: {len(rows)} (rows {', '.join(map(str, rows[:FIRST_ROWS_LOGGED]))}"
+                         f"{', ...' if len(rows) > FIRST_ROWS_LOGGED else ''})" for reason, rows in self.rows.items())
+
     def log(self, kept: int) -> None:
         skipped = sum(len(v) for v in self.rows.values())
         if not skipped:
             return
-        reasons = "; ".join(f"{reason}: {len(rows)} (rows {', '.join(map(str, rows[:FIRST_ROWS_LOGGED]))}"
-                            f"{', ...' if len(rows) > FIRST_ROWS_LOGGED else ''})"
-                            for reason, rows in self.rows.items())
+        reasons = self.reasons()
         log_event(_log, "dataset_bad_rows_skipped", level=logging.WARNING, file=str(self.path), skipped=skipped,
                   kept=kept, reasons=reasons)
 
@@ -292,8 +310,10 @@ def _load(paths, probs, max_samples: int | None, seed: int, shuffle: bool, stric
                 problems.add(index, problem)
         problems.log(len(kept))
         if not kept:
-            raise DatasetError(f"{path}: no usable rows (every row was bad; see the log, or rerun with --strict "
-                               f"to stop at the first bad row)")
+            jsonl = path.suffix in (".jsonl", ".json")
+            where = " (row numbers count from 0: in JSONL files line = row + 1)" if jsonl else ""
+            raise DatasetError(f"{path}: no usable rows: {problems.reasons() or 'the file is empty'}{where}; "
+                               "fix the rows or the --*_key flags that name their fields")
         sources.append(kept)
     available = sum(len(s) for s in sources)
     total = available if not max_samples or max_samples <= 0 else min(max_samples, available)

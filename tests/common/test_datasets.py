@@ -126,6 +126,29 @@ def test_bad_rows_are_skipped_and_logged_or_fatal_when_strict(tmp_path, tokenize
         load_prompts(write_jsonl(tmp_path / "allbad.jsonl", bad[:2]))
 
 
+def test_no_usable_rows_and_bad_bytes_name_the_file_line_and_key(tmp_path, tokenizer):
+    wrong_key = write_jsonl(tmp_path / "wrong_key.jsonl", [{"question": "1+1=", "label": "2"}] * 2)
+    with pytest.raises(DatasetError) as err:
+        load_prompts(wrong_key, tokenizer=tokenizer)
+    message = str(err.value)
+    assert str(wrong_key) in message and "missing key 'prompt': 2 (rows 0, 1)" in message
+    # A non-UTF-8 byte costs its line only; a file of nothing else is an error naming the line.
+    latin = tmp_path / "latin1.jsonl"
+    latin.write_bytes(b'{"prompt": "caf\xe9", "label": "1"}\n{"prompt": "1+1=", "label": "2"}\n')
+    rows = load_prompts(latin, tokenizer=tokenizer, shuffle=False)
+    assert [r.index for r in rows] == [1]
+    with pytest.raises(DatasetError, match=r"latin1.jsonl row 0: not UTF-8 \(byte 0xe9 at column 16 of line 1"):
+        load_prompts(latin, tokenizer=tokenizer, strict=True)
+    only_bad = tmp_path / "only_bad.jsonl"
+    only_bad.write_bytes(b'{"prompt": "\xff"}\n')
+    with pytest.raises(DatasetError, match=r"only_bad.jsonl: no usable rows: not UTF-8: 1 \(rows 0\).*line = row \+ 1"):
+        load_prompts(only_bad, tokenizer=tokenizer)
+    array = tmp_path / "array.json"
+    array.write_bytes(b'[\n{"prompt": "1+1="},\n{"prompt": "\xff"}]')
+    with pytest.raises(DatasetError, match=r"array.json line 3: byte 0xff is not UTF-8"):
+        load_prompts(array, tokenizer=tokenizer)
+
+
 def test_max_samples_and_seeded_shuffle(files):
     a = load_prompts(files["jsonl"], seed=3)
     assert [r.prompt for r in a] == [r.prompt for r in load_prompts(files["jsonl"], seed=3)]
