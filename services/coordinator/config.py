@@ -71,8 +71,8 @@ class CoordinatorConfig(ServerConfig):
     critic_pretrain: str = opt("", "local folder to initialise the critic from; empty = --reward_pretrain or --pretrain")
     reward_pretrain: str = opt("", "local folder of a reward model (HF sequence classification, one label)")
     remote_rm_url: str = opt("", "reward server URL(s), comma separated, or a Python file defining reward_func")
-    reward_func: str = opt("", "built-in rule reward instead of a model: math, exact_match or format "
-                           "(comma separated rules add up)")
+    reward_func: str = opt("", "built-in rule reward instead of a model: math, simplerl_math (simpleRL-reason's "
+                           "1 / -0.5 / -1), exact_match or format (comma separated rules add up)")
     normalize_reward: bool = opt(False, "normalise rewards with the mean/std stored in the reward model's config")
     reward_clip_range: list[float] = opt([-10.0, 10.0], "rewards are clipped to [low, high]")
 
@@ -298,10 +298,10 @@ class CoordinatorConfig(ServerConfig):
                 raise ConfigError("give exactly one reward source: --reward_pretrain DIR, --remote_rm_url URL|file.py "
                                   f"or --reward_func math|exact_match|format (got {sources or 'none'})")
         rules = [r.strip() for r in self.reward_func.split(",") if r.strip()]
-        if any(r not in ("math", "exact_match", "format") for r in rules):
-            raise ConfigError(f"--reward_func {self.reward_func}: use math, exact_match or format "
+        if any(r not in ("math", "simplerl_math", "exact_match", "format") for r in rules):
+            raise ConfigError(f"--reward_func {self.reward_func}: use math, simplerl_math, exact_match or format "
                               "(several comma separated add up)")
-        if any(r in ("math", "exact_match") for r in rules) and not self.label_key:
+        if any(r in ("math", "simplerl_math", "exact_match") for r in rules) and not self.label_key:
             raise ConfigError(f"--reward_func {self.reward_func} compares answers with labels; "
                               "set --label_key to the data field holding the answer")
         self.reward_model_needed = bool(self.reward_pretrain)

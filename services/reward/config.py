@@ -62,8 +62,10 @@ class RewardConfig(ServerConfig):
 
     # Rule rewards.
     math_correct_reward: float = opt(1.0, "math rule: reward of a correct final answer")
-    math_wrong_reward: float = opt(0.0, "math rule: reward of a wrong final answer (simpleRL-reason uses -0.5)")
-    math_no_answer_reward: float = opt(0.0, "math rule: reward when no answer is found (simpleRL-reason uses -1)")
+    math_wrong_reward: float = opt(0.0, "math rule: reward of a wrong final answer")
+    math_no_answer_reward: float = opt(0.0, "math rule: reward when no answer is found (for simpleRL-reason's "
+                                            "levels, which give -1 to any response without \\boxed, use "
+                                            "--reward_func simplerl_math)")
     math_verify_timeout_s: int = opt(5, "math rule: time limit of each math-verify parse and comparison per "
                                         "sample, whole seconds (it uses SIGALRM); a sample past it counts as wrong")
     math_verify_workers: int = opt(2, "math rule: worker processes running math-verify")

@@ -1,10 +1,16 @@
-"""Built-in rule rewards (`--reward_func math`, `exact_match`, `format`, or several joined by commas,
-whose rewards add up).
+"""Built-in rule rewards (`--reward_func math`, `simplerl_math`, `exact_match`, `format`, or several
+joined by commas, whose rewards add up).
 
-- math: the final answer is the last \\boxed{...} of the response, else its last number; it is
+- math: the final answer is the last \\boxed{...} of the response, else what follows its last
+  "the answer is" / "answer:" (the first $...$ math there, else the first number, else the words),
+  else its last number (scientific notation such as 2.5e3 or 2.5 \\times 10^{3} read whole); it is
   compared with the label by math-verify (in worker processes, with a time limit per sample) and
-  earns the correct / wrong / no-answer reward of the scheme (e.g. 1 / -0.5 / -1 as in
-  simpleRL-reason).
+  earns the correct / wrong / no-answer reward of the scheme (--math_*_reward).
+- simplerl_math: simpleRL-reason's reward levels, assigned as its own code assigns them: the model
+  output is the decoded sequence from its first "<|im_start|>assistant" up to the first stop word
+  (</s>, <|im_end|>, <|endoftext|>); no "boxed" in it: -1, even when the answer is right; else the
+  answer after the last "boxed" earns 1 if correct, -0.5 if not. Correctness is math-verify's here
+  (simpleRL-reason uses its own grader).
 - exact_match: the last \\boxed{...} of the response (else the whole response) equals the label
   after trimming and collapsing whitespace: 1, else 0.
 - format: the whole response matches --format_pattern: --format_reward, else 0.
@@ -26,8 +32,8 @@ from services.common.errors import ServiceError, invalid_argument
 from services.reward import math_check
 from services.reward.source import RewardSource, ScoreBatch, SourceScores
 
-RULES = ("math", "exact_match", "format")
-LABELLED_RULES = ("math", "exact_match")
+RULES = ("math", "simplerl_math", "exact_match", "format")
+LABELLED_RULES = ("math", "simplerl_math", "exact_match")
 # math-verify work per sample: two parses and a comparison, each limited to the time limit.
 _CALLS_PER_SAMPLE = 3
 _CHUNK = 16  # samples per worker task: small, so a slow sample delays few others
@@ -37,7 +43,15 @@ _CHUNK = 16  # samples per worker task: small, so a slow sample delays few other
 # Answer extraction (pure functions)
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
+# "2.5 \times 10^{3}", "2.5×10^3" first, so that the mantissa and the exponent stay one number.
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?\s*(?:\\times|\\cdot|×)\s*10\^(?:\{[-+]?\d+\}|[-+]?\d+)"
+                     r"|-?\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][-+]?\d+(?![\w.]))?(?:/\d+)?")
+# Prose conclusions: "The answer is ...", "Final answer: ...", "**Answer:** ...".
+_ANSWER_PHRASE = re.compile(r"\b(?:final\s+)?answer\s*(?:is|:|=)\s*:?[\s*]*", re.IGNORECASE)
+# Inline or display math: $...$, $$...$$, \(...\), \[...\].
+_MATH_SPAN = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
+# "2.5e3" -> "2.5\times10^{3}": math-verify reads a lower-case e as Euler's number.
+_E_NOTATION = re.compile(r"(?<![\w.\\])(-?\d+(?:\.\d+)?)[eE]\+?(-?\d+)(?![\w.])")
 
 
 def last_boxed(text: str) -> str | None:
@@ -53,17 +67,78 @@ def last_boxed(text: str) -> str | None:
 
 
 def last_number(text: str) -> str | None:
-    """The last number in the text ("1,234" -> "1234", "-3/4" stays), or None."""
+    """The last number in the text ("1,234" -> "1234", "-3/4", "2.5e3", "2.5 \\times 10^{3}" stay whole), or None."""
     numbers = _NUMBER.findall(text)
     return numbers[-1].replace(",", "") if numbers else None
 
 
+def stated_answer(text: str) -> str | None:
+    """What follows the last "the answer is" / "answer:": its first $...$ math, else its first number,
+    else its words up to the end of the sentence; None without such a phrase."""
+    phrases = list(_ANSWER_PHRASE.finditer(text))
+    if not phrases:
+        return None
+    rest = text[phrases[-1].end():]
+    # The sentence ends at a line break or at a period followed by a space or the end (not 2.5).
+    sentence = re.split(r"\n|\.(?:\s|$)", rest, maxsplit=1)[0]
+    math = _MATH_SPAN.search(rest)
+    if math and math.start() <= len(sentence):
+        return next(g for g in math.groups() if g is not None).strip()
+    number = _NUMBER.search(sentence)
+    if number:
+        return number.group(0).replace(",", "")
+    words = sentence.strip().strip("*").strip()
+    return words or None
+
+
 def extract_answer(response: str) -> str | None:
-    """The final answer of a response: last \\boxed{} content first, then the last number."""
+    """The final answer of a response: last \\boxed{} content, then a stated answer, then the last number."""
     boxed = last_boxed(response)
     if boxed:
         return boxed
-    return last_number(response)
+    return stated_answer(response) or last_number(response)
+
+
+def e_notation_to_latex(text: str) -> str:
+    """2.5e3 -> 2.5\\times10^{3} (also in labels), which math-verify reads as a number."""
+    return _E_NOTATION.sub(lambda m: f"{m.group(1)}\\times10^{{{m.group(2)}}}", text)
+
+
+def simplerl_model_output(query: str, response: str) -> str:
+    """The text simpleRL-reason grades: the decoded sequence from its first "<|im_start|>assistant",
+    cut at the first stop word. Without that marker (a prompt not in ChatML) the response alone,
+    since the prompt's own "put your answer in \\boxed{}" would otherwise count as a boxed answer."""
+    start = query.find("<|im_start|>assistant")
+    text = query[start:] if start >= 0 else response
+    for stop in ("</s>", "<|im_end|>", "<|endoftext|>"):
+        if stop in text:
+            text = text.split(stop)[0].strip()
+    return text
+
+
+def simplerl_answer(model_output: str) -> str:
+    """simpleRL-reason's answer of a model output that contains "boxed" (its extract_answer for math):
+    a Minerva "final answer is $...$. I hope" first, else the text after the last "boxed", to the
+    brace that closes it (or to the next $ without a brace); line breaks removed, a leading ':' and a
+    trailing '.' or '/' dropped."""
+    text = model_output.replace("\u043a\u0438", "")
+    if "final answer is $" in text and "$. I hope" in text:
+        answer = text.split("final answer is $", 1)[1].split("$. I hope", 1)[0].strip()
+    else:
+        after = text.split("boxed")[-1]
+        if after.startswith("{"):
+            depth, end = 1, len(after)
+            for i, c in enumerate(after[1:], 1):
+                depth += {"{": 1, "}": -1}.get(c, 0)
+                if depth == 0:
+                    end = i
+                    break
+            answer = after[1:end]
+        else:
+            answer = after.split("$")[0].strip()
+    answer = re.sub(r"\n\s*", "", answer)
+    answer = answer[1:] if answer.startswith(":") else answer
+    return answer[:-1] if answer.endswith((".", "/")) else answer
 
 
 def normalize_answer(text: str) -> str:
@@ -132,7 +207,7 @@ class RuleRewardSource(RewardSource):
         return ",".join(self.rules)
 
     async def start(self) -> None:
-        if "math" in self.rules and self._pool is None:
+        if any(r in ("math", "simplerl_math") for r in self.rules) and self._pool is None:
             self._pool = self._new_pool()
             self._slots = asyncio.Semaphore(self.workers)
 
@@ -159,6 +234,8 @@ class RuleRewardSource(RewardSource):
         for rule in self.rules:
             if rule == "math":
                 rewards, metrics = await self._math(batch)
+            elif rule == "simplerl_math":
+                rewards, metrics = await self._simplerl_math(batch)
             elif rule == "exact_match":
                 hits = await asyncio.to_thread(lambda: [exact_match(r, lab) for r, lab in zip(batch.responses, batch.labels)])
                 rewards = np.array(hits, dtype=np.float64)
@@ -176,13 +253,33 @@ class RuleRewardSource(RewardSource):
 
     async def _math(self, batch: ScoreBatch) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         answers = await asyncio.to_thread(lambda: [extract_answer(r) for r in batch.responses])
-        n = len(batch)
+        no_answer = np.array([a is None for a in answers], dtype=bool)
+        correct, timed_out = await self._judge(answers, batch.labels)
+        s = self.scheme
+        rewards = np.where(no_answer, s.no_answer, np.where(correct, s.correct, s.wrong)).astype(np.float64)
+        return rewards, {"accuracy": correct.astype(np.float64), "no_answer": no_answer.astype(np.float64),
+                         "verify_timeout": timed_out.astype(np.float64)}
+
+    async def _simplerl_math(self, batch: ScoreBatch) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """simpleRL-reason's levels: no "boxed" in the model output -1 (even if right), else 1 / -0.5."""
+        outputs = [simplerl_model_output(q, r) for q, r in zip(batch.queries, batch.responses)]
+        boxed = np.array(["boxed" in o for o in outputs], dtype=bool)
+        answers = [simplerl_answer(o) if b else None for o, b in zip(outputs, boxed)]
+        correct, timed_out = await self._judge(answers, batch.labels)
+        rewards = np.where(~boxed, -1.0, np.where(correct, 1.0, -0.5)).astype(np.float64)
+        return rewards, {"accuracy": correct.astype(np.float64), "no_boxed": (~boxed).astype(np.float64),
+                         "verify_timeout": timed_out.astype(np.float64)}
+
+    async def _judge(self, answers: list[str | None], labels: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(correct, timed_out) bool arrays; a None answer is not correct."""
+        n = len(answers)
         correct = np.zeros(n, dtype=bool)
         timed_out = np.zeros(n, dtype=bool)
-        no_answer = np.array([a is None for a in answers])
+        answers = [None if a is None else e_notation_to_latex(a) for a in answers]
+        labels = [e_notation_to_latex(label) for label in labels]
         # Identical normalised strings need no parser; math-verify decides the rest ("0.5" vs "\frac12").
         pending = []
-        for i, (answer, label) in enumerate(zip(answers, batch.labels)):
+        for i, (answer, label) in enumerate(zip(answers, labels)):
             if answer is None:
                 continue
             if normalize_answer(answer) == normalize_answer(label):
@@ -190,16 +287,14 @@ class RuleRewardSource(RewardSource):
             else:
                 pending.append(i)
         chunks = [pending[k:k + _CHUNK] for k in range(0, len(pending), _CHUNK)]
-        results = await asyncio.gather(*(self._verify(batch, answers, idx) for idx in chunks))
+        results = await asyncio.gather(*(self._verify([(answers[i], labels[i]) for i in idx], idx)
+                                         for idx in chunks))
         for idx, result in zip(chunks, results):
             for i, (ok, late) in zip(idx, result):
                 correct[i], timed_out[i] = ok, late
-        s = self.scheme
-        rewards = np.where(no_answer, s.no_answer, np.where(correct, s.correct, s.wrong)).astype(np.float64)
-        return rewards, {"accuracy": correct.astype(np.float64), "no_answer": no_answer.astype(np.float64),
-                         "verify_timeout": timed_out.astype(np.float64)}
+        return correct, timed_out
 
-    async def _verify(self, batch: ScoreBatch, answers: list[str | None], idx: list[int]) -> list[tuple[bool, bool]]:
+    async def _verify(self, pairs: list[tuple[str, str]], idx: list[int]) -> list[tuple[bool, bool]]:
         """Runs one chunk in the worker pool, guarded by a time limit of its own.
 
         The per-sample limit inside the worker should always fire first; if a worker hangs anyway
@@ -216,7 +311,6 @@ class RuleRewardSource(RewardSource):
                 if not future.done():
                     (future.set_result if ok else future.set_exception)(value)
 
-            pairs = [(answers[i], batch.labels[i]) for i in idx]
             pool.apply_async(math_check.check_answers, (pairs, self.verify_timeout_s),
                              callback=lambda r: loop.call_soon_threadsafe(settle, True, r),
                              error_callback=lambda e: loop.call_soon_threadsafe(settle, False, e))
