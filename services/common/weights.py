@@ -47,6 +47,7 @@ import torch
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.rollout.v1 import rollout_pb2
+from services.common import rendezvous
 
 # Every tensor starts at a multiple of this many bytes inside its bucket buffer, so a byte view
 # can be reinterpreted as any dtype (and GPU copies stay aligned).
@@ -330,11 +331,11 @@ def open_weight_group(backend: str, master_address: str, master_port: int, world
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside the group of world_size {world_size}")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = torch.distributed.TCPStore(master_address, master_port, world_size, is_master=(rank == 0),
-                                       timeout=timeout, wait_for_workers=False)
+    # On one machine (a loopback master) the store and gloo listen on loopback only.
+    store = rendezvous.store(master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout)
     prefixed = torch.distributed.PrefixStore(group_name, store)
     if backend == "gloo":
-        process_group = torch.distributed.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        process_group = rendezvous.gloo_group(prefixed, rank, world_size, timeout, master_address)
     else:
         options = torch.distributed.ProcessGroupNCCL.Options()
         options._timeout = timeout

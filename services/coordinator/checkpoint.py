@@ -22,6 +22,7 @@ import os
 import pathlib
 import shutil
 
+from services.common import ownership
 from services.common.durable import write_atomic
 
 LATEST = "latest"
@@ -83,7 +84,7 @@ def commit(ckpt_path: str | os.PathLike, state: CoordinatorState, max_ckpt_num: 
     moves `latest` to it, then removes checkpoints beyond the newest max_ckpt_num."""
     root = pathlib.Path(ckpt_path)
     folder = step_dir(root, state.global_step)
-    folder.mkdir(parents=True, exist_ok=True)
+    ownership.make_owned_dir(folder, "checkpoint")  # the learner's save made it, unless it saves nothing
     write_atomic(folder / STATE_FILE, state.to_json())
     write_atomic(root / LATEST, f"global_step_{state.global_step}\n")
     prune(root, max_ckpt_num)
@@ -102,7 +103,8 @@ def list_steps(ckpt_path: str | os.PathLike) -> list[int]:
 
 def prune(ckpt_path: str | os.PathLike, max_ckpt_num: int) -> list[int]:
     """Removes the oldest complete checkpoints beyond max_ckpt_num, and incomplete ones older than
-    `latest` (a crash mid-save leaves those). Never touches `latest`'s own folder."""
+    `latest` (a crash mid-save leaves those). Never touches `latest`'s own folder, nor a folder
+    rlmesh did not write (services.common.ownership)."""
     latest = latest_step(ckpt_path)
     if latest is None:
         return []
@@ -110,12 +112,14 @@ def prune(ckpt_path: str | os.PathLike, max_ckpt_num: int) -> list[int]:
     complete = [s for s in steps if s <= latest and (step_dir(ckpt_path, s) / STATE_FILE).is_file()]
     doomed = set(complete[:-max_ckpt_num]) if len(complete) > max_ckpt_num else set()
     doomed |= {s for s in steps if s < latest and s not in complete}
+    doomed = {s for s in doomed if ownership.may_delete_step(step_dir(ckpt_path, s))
+              or (step_dir(ckpt_path, s) / STATE_FILE).is_file()}
     for s in sorted(doomed):
         shutil.rmtree(step_dir(ckpt_path, s), ignore_errors=True)
     # HF exports of --save_hf_ckpt live beside their step folder and go with it.
     for hf in pathlib.Path(ckpt_path).glob("global_step_*_hf"):
         step = hf.name.removeprefix("global_step_").removesuffix("_hf")
-        if step.isdigit() and not step_dir(ckpt_path, int(step)).is_dir():
+        if step.isdigit() and not step_dir(ckpt_path, int(step)).is_dir() and ownership.is_owned(hf):
             shutil.rmtree(hf, ignore_errors=True)
     return sorted(doomed)
 

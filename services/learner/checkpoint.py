@@ -21,6 +21,7 @@ import re
 import shutil
 import time
 
+from services.common import ownership
 from services.common.durable import fsync_path, write_atomic
 
 MARKER = "learner.json"
@@ -99,7 +100,8 @@ def resolve_checkpoint(root: pathlib.Path, global_step: int) -> pathlib.Path:
 
 def prune(root: pathlib.Path, keep: int, newest: pathlib.Path) -> list[str]:
     """Removes checkpoints beyond the newest `keep` complete ones, and incomplete folders older than
-    `newest` (left by crashed saves). Never removes the folder `latest` names. Returns removed paths."""
+    `newest` (left by crashed saves). Never removes the folder `latest` names, nor a folder the
+    learner did not write (services.learner.ownership). Returns removed paths."""
     protected = {newest.resolve()}
     named = latest_named(root)
     if named is not None:
@@ -111,7 +113,7 @@ def prune(root: pathlib.Path, keep: int, newest: pathlib.Path) -> list[str]:
     doomed += [f for s, f in steps if not is_complete(f) and newest_step is not None and s < newest_step]
     removed = []
     for folder in doomed:
-        if folder.resolve() in protected:
+        if folder.resolve() in protected or not ownership.may_delete_step(folder):
             continue
         shutil.rmtree(folder, ignore_errors=True)
         removed.append(str(folder))

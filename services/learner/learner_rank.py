@@ -14,6 +14,7 @@ import os
 import pathlib
 import shutil
 import socket
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -24,6 +25,7 @@ from services.common import rl_math
 from services.common.errors import failed_precondition
 from services.common.log import get_logger, log_event
 from services.common.logprobs import sequence_logprobs, token_logprobs
+from services.common import ownership
 from services.learner import checkpoint, logprob_head
 from services.learner.batches import MicroBatch, Sample, StepPlan, collate, ragged_rows
 from services.learner.config import LearnerConfig
@@ -299,7 +301,7 @@ class LearnerRank:
             # A retried save of the same step: the old marker goes first, so the folder never looks
             # complete while it is being rewritten.
             (folder / checkpoint.MARKER).unlink(missing_ok=True)
-            folder.mkdir(parents=True, exist_ok=True)
+            ownership.make_owned_dir(folder, "checkpoint")  # the server checked root and folder (ownership)
             checkpoint.write_atomic(folder / checkpoint.CLIENT_STATE, payload["client_state"])
         dist.barrier()
         for name, engine in self._engines().items():
@@ -327,7 +329,10 @@ class LearnerRank:
         return {"client_state": state, "actor_global_step": int(self.actor.global_steps)}
 
     def export_hf(self, payload: dict) -> dict:
-        """save_pretrained of the actor with --pretrain's tokenizer, into output_dir, atomically."""
+        """save_pretrained of the actor with --pretrain's tokenizer, into output_dir (which the server
+        claimed, see services.learner.ownership): each file is written in full beside it and renamed
+        into place; files of the previous export that this one does not write are removed; other
+        files are never touched, and one this export would overwrite stops it."""
         engine = self.actor
         if self.config.zero_stage == 3:
             state = engine._zero3_consolidated_16bit_state_dict()  # collective; the dict on rank 0 only
@@ -339,25 +344,36 @@ class LearnerRank:
 
         dtype = payload["dtype"] or self.config.dtype
         out = pathlib.Path(payload["output_dir"])
-        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        state = {k: v.detach().to("cpu", dtype) for k, v in state.items()}
-        module = engine.module
-        saved_dtype = module.config.dtype
-        module.config.dtype = dtype
+        # A folder of its own inside output_dir: same file system (renames), never someone else's name.
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=".export-", dir=out))
         try:
-            module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+            state = {k: v.detach().to("cpu", dtype) for k, v in state.items()}
+            module = engine.module
+            saved_dtype = module.config.dtype
+            module.config.dtype = dtype
+            try:
+                module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+            finally:
+                module.config.dtype = saved_dtype
+            AutoTokenizer.from_pretrained(self.config.pretrain).save_pretrained(tmp)
+            checkpoint.fsync_tree(tmp)
+            written = sorted(p.name for p in tmp.iterdir())
+            previous = set(ownership.export_files(out))
+            foreign = [n for n in written if (out / n).exists() and n not in previous]
+            if foreign:
+                raise failed_precondition(f"output_dir {out}: the export would overwrite {foreign}, which the learner "
+                                          "did not write; export into a new or empty folder, or move them away")
+            for name in written:
+                os.replace(tmp / name, out / name)
+            # Plain names only: a marker edited to say "../x" must not reach outside the folder.
+            for name in sorted(n for n in previous - set(written) if pathlib.Path(n).name == n and n not in (".", "..")):
+                stale = out / name
+                shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+            ownership.record_export(out, written)
+            checkpoint.fsync_path(out)
         finally:
-            module.config.dtype = saved_dtype
-        AutoTokenizer.from_pretrained(self.config.pretrain).save_pretrained(tmp)
-        checkpoint.fsync_tree(tmp)
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        if out.exists():
-            os.replace(out, old)
-        os.replace(tmp, out)
-        checkpoint.fsync_path(out.parent)
-        shutil.rmtree(old, ignore_errors=True)
-        size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+            shutil.rmtree(tmp, ignore_errors=True)
+        size = sum((out / name).stat().st_size for name in written if (out / name).is_file())
         return {"path": str(out), "bytes": size}
 
     # ------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from services.common import weights
 from services.common.errors import ServiceError, failed_precondition, handle_errors, invalid_argument
 from services.common.log import get_logger, log_event
 from services.common.tensors import ragged_to_proto
+from services.common import ownership
 from services.learner import checkpoint
 from services.learner.batches import decode_experience, decode_sequences, forward_micro_batches, plan_training
 from services.learner.config import LearnerConfig
@@ -429,6 +430,9 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                        "client_state": request.client_state,
                        "max_ckpt_num": request.max_ckpt_num or self.config.max_ckpt_num}
             async with self._weights_lock:
+                # Before any rank writes: only folders the learner created or marked (ownership).
+                ownership.claim_dir(request.ckpt_path, "ckpt_path", "checkpoints", checkpoint_root=True)
+                ownership.check_step_dir(checkpoint.step_dir(request.ckpt_path, request.global_step), "global_step")
                 results = await self._run("save_checkpoint", [payload] * self.world)
             log_event(log, "checkpoint.saved", request.request_id, path=results[0]["path"],
                       removed=len(results[0]["removed"]), seconds=f"{timer.elapsed:.2f}")
@@ -472,6 +476,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                     raise invalid_argument("dtype", None, "must be BFLOAT16, FLOAT16 or FLOAT32", "or leave it unset")
             payload = {"output_dir": request.output_dir, "dtype": dtype}
             async with self._weights_lock:
+                ownership.claim_dir(request.output_dir, "output_dir", "export")  # before any rank writes
                 results = await self._run("export_hf", [payload] * self.world)
             return learner_pb2.ExportHFResponse(path=results[0]["path"], bytes=results[0]["bytes"],
                                                 duration_s=timer.elapsed)

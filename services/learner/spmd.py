@@ -43,6 +43,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
+from services.common import rendezvous
 from services.common.errors import ServiceError
 from services.common.log import get_logger, log_event
 
@@ -169,8 +170,8 @@ def _recv_bytes(src: int, group, tag: int) -> bytes:
 
 def connect_store(spec: RankSpec, timeout_s: float) -> dist.TCPStore:
     """Rank 0 starts the store server; the others connect (retrying until timeout_s)."""
-    return dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=(spec.rank == 0),
-                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    return rendezvous.store(spec.master_addr, spec.master_port, spec.world_size, is_master=(spec.rank == 0),
+                            timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def join_process_group(spec: RankSpec, store: dist.TCPStore, timeout_s: float):
@@ -178,6 +179,7 @@ def join_process_group(spec: RankSpec, store: dist.TCPStore, timeout_s: float):
     layer on top, and the gloo control group. Returns the control group. Collective: all ranks."""
     if spec.backend == "nccl":
         torch.cuda.set_device(spec.local_rank)
+    rendezvous.keep_gloo_on_loopback(spec.master_addr)  # ranks on one machine: nothing listens outside it
     # DeepSpeed reads the launcher's variables; set them whichever way the ranks were started.
     os.environ.update(RANK=str(spec.rank), LOCAL_RANK=str(spec.local_rank), WORLD_SIZE=str(spec.world_size),
                       MASTER_ADDR=spec.master_addr, MASTER_PORT=str(spec.master_port))

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from services.common.logprobs import token_logprobs
+from services.common import ownership
 from services.learner import checkpoint
 from services.learner.batches import Sample, collate, plan_training
 from services.learner.deepspeed_setup import lr_multiplier
@@ -76,7 +77,8 @@ def test_lr_schedule():
 def test_checkpoint_folders(tmp_path):
     def make(step: int, complete: bool):
         folder = checkpoint.step_dir(tmp_path, step)
-        (folder / "actor").mkdir(parents=True)
+        ownership.make_owned_dir(folder, "checkpoint")  # as the learner's save does
+        (folder / "actor").mkdir()
         if complete:
             checkpoint.write_atomic(folder / checkpoint.MARKER, checkpoint.marker_contents(2, 3, ["actor"], step))
         return folder
@@ -88,9 +90,12 @@ def test_checkpoint_folders(tmp_path):
         checkpoint.resolve_checkpoint(tmp_path, 3)
     (tmp_path / "latest").write_text("global_step_2")
     assert checkpoint.resolve_checkpoint(tmp_path, 0).name == "global_step_2"  # the coordinator's choice
+    # A folder of the same name that the learner did not write (no marker): never deleted.
+    (tmp_path / "global_step_0" / "data").mkdir(parents=True)
     removed = checkpoint.prune(tmp_path, keep=1, newest=tmp_path / "global_step_4")
     # Step 1 is beyond max_ckpt_num, step 3 is a crashed save; step 2 stays: `latest` names it.
     assert sorted(removed) == [str(tmp_path / "global_step_1"), str(tmp_path / "global_step_3")]
+    assert (tmp_path / "global_step_0" / "data").is_dir()
     with pytest.raises(ValueError, match="--zero_stage"):
         checkpoint.check_compatible(tmp_path / "global_step_4", world_size=2, zero_stage=2, models=["actor"])
     with pytest.raises(ValueError, match="critic"):
