@@ -79,9 +79,10 @@ def _with_metadata(details, metadata):
     return details._replace(metadata=(*(details.metadata or ()), *metadata))
 
 
-class _AioMetadata(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
-                   grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
-    """Adds fixed metadata (the shared token) to every call."""
+# grpc.aio files an interceptor under the first call kind it implements only (an if/elif chain in
+# grpc.aio.Channel), so the metadata interceptor is one class per kind, or streams would go without.
+class _AioMetadataUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+    """Adds fixed metadata (the shared token) to every call of its kind."""
 
     def __init__(self, metadata):
         self.metadata = metadata
@@ -89,14 +90,34 @@ class _AioMetadata(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamCli
     async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(_with_metadata(details, self.metadata), request)
 
+
+class _AioMetadataUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, metadata):
+        self.metadata = metadata
+
     async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(_with_metadata(details, self.metadata), request)
+
+
+class _AioMetadataStreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+    def __init__(self, metadata):
+        self.metadata = metadata
 
     async def intercept_stream_unary(self, continuation, details, request_iterator):
         return await continuation(_with_metadata(details, self.metadata), request_iterator)
 
+
+class _AioMetadataStreamStream(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, metadata):
+        self.metadata = metadata
+
     async def intercept_stream_stream(self, continuation, details, request_iterator):
         return await continuation(_with_metadata(details, self.metadata), request_iterator)
+
+
+def _aio_metadata(metadata) -> list:
+    return [cls(metadata) for cls in (_AioMetadataUnaryUnary, _AioMetadataUnaryStream, _AioMetadataStreamUnary,
+                                      _AioMetadataStreamStream)]
 
 
 class _SyncMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
@@ -148,7 +169,7 @@ def make_channel(address: str, service_full_name: str = "", idempotent_methods=(
     options = _options(service_full_name, idempotent_methods, max_message_mb, keepalive_time_s, keepalive_timeout_s)
     interceptors = [_AioDeadline(default_timeout_s)]
     if creds.token:
-        interceptors.append(_AioMetadata(creds.metadata()))
+        interceptors += _aio_metadata(creds.metadata())
     if creds.tls_ca:
         return grpc.aio.secure_channel(address, _credentials(creds.tls_ca, creds.tls_cert, creds.tls_key), options,
                                        interceptors=interceptors)

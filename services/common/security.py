@@ -9,8 +9,10 @@ UNAUTHENTICATED with a message saying what to send. Deny by default: a new RPC i
 it is listed as open here. Without a token nothing is checked (TLS with a client CA still is).
 
 Client side: `client_credentials()` is what every channel of this process uses unless the caller
-passes its own. It starts from the environment (RLMESH_AUTH_TOKEN / RLMESH_AUTH_TOKEN_FILE, no
-TLS); the coordinator replaces it once at start-up from its flags (`set_client_credentials`).
+passes its own. It starts from the environment (RLMESH_AUTH_TOKEN / RLMESH_AUTH_TOKEN_FILE,
+RLMESH_TLS_CA / _CERT / _KEY); the coordinator replaces it once at start-up from its flags
+(`set_client_credentials`) and hands the services it starts the same certificate and token
+(`launch_settings`).
 Channels to third-party servers (the reward service's remote reward servers) pass their own,
 empty, credentials so that the token never leaves the run.
 """
@@ -158,11 +160,12 @@ _client_credentials: ClientCredentials | None = None
 
 
 def client_credentials() -> ClientCredentials:
-    """This process's client credentials: what set_client_credentials set, else the token from the
-    environment (RLMESH_AUTH_TOKEN / RLMESH_AUTH_TOKEN_FILE) and no TLS."""
+    """This process's client credentials: what set_client_credentials set, else the environment's
+    (token: RLMESH_AUTH_TOKEN / RLMESH_AUTH_TOKEN_FILE; TLS: RLMESH_TLS_CA, RLMESH_TLS_CERT,
+    RLMESH_TLS_KEY; none of them: plaintext without a token)."""
     global _client_credentials
     if _client_credentials is None:
-        _client_credentials = ClientCredentials(token=resolve_token())
+        _client_credentials = dataclasses.replace(credentials_from_env(os.environ), token=resolve_token())
     return _client_credentials
 
 
@@ -170,3 +173,33 @@ def set_client_credentials(credentials: ClientCredentials) -> None:
     """Sets what every channel of this process presents from now on (called once at start-up)."""
     global _client_credentials
     _client_credentials = credentials
+
+
+TLS_ENV = {"tls_ca": "RLMESH_TLS_CA", "tls_cert": "RLMESH_TLS_CERT", "tls_key": "RLMESH_TLS_KEY"}
+
+
+def credentials_from_env(env) -> ClientCredentials:
+    """The client credentials a launch environment (launch_settings' env) carries."""
+    return ClientCredentials(token=env.get(TOKEN_ENV, ""), **{f: env.get(v, "") for f, v in TLS_ENV.items()})
+
+
+def launch_settings(server, credentials: ClientCredentials) -> tuple[list[str], dict[str, str]]:
+    """Flags and environment for a service this process starts (local or Ray placement), so that it
+    serves the way this process calls it: TLS with this process's certificate (`server`: its
+    ServerConfig; the same identity on every service of the run), mutual TLS when this process
+    requires client certificates, and the shared token. The token goes into the environment, never
+    the command line, which `ps` shows to every user of the machine. The client TLS files go into
+    the environment too, for whoever checks the service's health on the launching side (a Ray actor).
+    """
+    if server.tls_cert and not credentials.tls_ca:
+        raise ConfigError("--tls_cert makes the services this run starts serve TLS; give --tls_ca (the CA that "
+                          "signed --tls_cert) so that the coordinator can verify them")
+    absolute = lambda path: str(pathlib.Path(path).resolve())  # noqa: E731 - services run in another folder
+    argv: list[str] = []
+    if server.tls_cert:
+        argv += ["--tls_cert", absolute(server.tls_cert), "--tls_key", absolute(server.tls_key)]
+    if server.tls_client_ca:
+        argv += ["--tls_client_ca", absolute(server.tls_client_ca)]
+    env = {TOKEN_ENV: credentials.token} if credentials.token else {}
+    env.update({var: absolute(getattr(credentials, f)) for f, var in TLS_ENV.items() if getattr(credentials, f)})
+    return argv, env

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import pathlib
 import shlex
 import socket
@@ -18,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.client import make_channel, wait_for_serving
 from services.common.log import get_logger, log_event
+from services.common.security import client_credentials, launch_settings
 from services.coordinator.config import CoordinatorConfig
 from services.coordinator.launcher import ServiceProcess, spawn_service, stop_all, wait_until_ready
 
@@ -168,12 +170,24 @@ def service_specs(cfg: CoordinatorConfig, total_steps: int) -> list[ServiceSpec]
     for i in range(n_merged, n_ref):
         specs.append(ServiceSpec(f"ref-{i}", "services.reward", reward_argv(cfg, False, True), ("reference",),
                                  num_gpus=1))
+    secure_local_specs(cfg, specs)
     if not cfg.on_gpu:
         for spec in specs:
             spec.num_gpus = 0
         return specs
     assign_local_gpus(cfg, specs)
     return specs
+
+
+def secure_local_specs(cfg: CoordinatorConfig, specs: list[ServiceSpec]) -> None:
+    """Every process serves with the run's TLS settings and token (services.common.security), and
+    keeps its gloo traffic on loopback: the learner ranks' process group and the weight-sync group
+    otherwise listen on the address the host name resolves to, reachable from other machines."""
+    argv, env = launch_settings(cfg, client_credentials())
+    for spec in specs:
+        spec.argv = [*spec.argv, *argv]
+        spec.env.update(env)
+        spec.env.setdefault("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
 
 
 def assign_local_gpus(cfg: CoordinatorConfig, specs: list[ServiceSpec]) -> None:

@@ -30,6 +30,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from services.common.log import get_logger, log_event
+from services.common.security import client_credentials, credentials_from_env, launch_settings, set_client_credentials
 from services.coordinator.config import CoordinatorConfig
 from services.coordinator.launcher import ServiceStartError, log_tail, spawn_service, wait_until_ready
 from services.coordinator.placement import Endpoints, ServiceSpec, learner_argv, reward_argv, role_instances, rollout_argv
@@ -57,6 +58,8 @@ class ServiceHost:
 
     def start(self, module: str, argv: list[str], env: dict[str, str], wait: bool, timeout_s: float) -> dict:
         host = ray.util.get_node_ip_address()
+        # Health checks from here present what the coordinator's channels do (TLS CA, client certificate).
+        set_client_credentials(credentials_from_env(env))
         self.service = spawn_service(self.name, module, argv, self.log_dir, host=host, env=env)
         if wait:
             asyncio.run(wait_until_ready(self.service, timeout_s))
@@ -246,7 +249,10 @@ class RayPlacement:
 
     async def _start_one(self, p: Placed, wait: bool, env: dict | None = None) -> None:
         try:
-            info = await p.actor.start.remote(p.spec.module, p.spec.argv, {**p.spec.env, **(env or {})}, wait,
+            # The run's TLS settings and token (services.common.security); the token in env, not argv.
+            secure_argv, secure_env = launch_settings(self.cfg, client_credentials())
+            info = await p.actor.start.remote(p.spec.module, [*p.spec.argv, *secure_argv],
+                                              {**p.spec.env, **(env or {}), **secure_env}, wait,
                                               self.cfg.service_start_timeout_s)
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if isinstance(exc.cause, ServiceStartError) else exc

@@ -39,6 +39,7 @@ from services.coordinator.evaluate import load_eval_prompts
 from services.coordinator.final_scrape import ScrapeWatch
 from services.coordinator.metrics import MetricsLog
 from services.coordinator.placement import LocalPlacement, StaticPlacement
+from services.coordinator.security import public_config, secure_run
 from services.coordinator.run_config import total_steps_of
 from services.coordinator.trainer import Trainer, new_state
 
@@ -103,7 +104,8 @@ async def run(config: CoordinatorConfig) -> int:
 
     run_dir = run_dir_of(config)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(vars(config), indent=1, sort_keys=True, default=str))
+    (run_dir / "config.json").write_text(json.dumps(public_config(config), indent=1, sort_keys=True, default=str))
+    auth_token = secure_run(config, run_dir)
     tokenizer = AutoTokenizer.from_pretrained(config.pretrain)
     stream = build_prompt_stream(config, tokenizer)
     eval_prompts = eval_prompts_of(config, tokenizer)
@@ -116,7 +118,7 @@ async def run(config: CoordinatorConfig) -> int:
     placement = make_placement(config, run_dir, total_steps)
     control = RunControl(config.placement)
     control.run_dir, control.total_steps = str(run_dir), total_steps
-    runner = ServiceRunner("coordinator", config)
+    runner = ServiceRunner("coordinator", config, auth_token=auth_token)
     add_to_runner(runner, control)
     scrapes = ScrapeWatch() if config.metrics_port >= 0 else None
     await runner.start()

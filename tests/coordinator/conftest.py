@@ -9,11 +9,12 @@ import subprocess
 import sys
 import time
 
-import grpc
 import pytest
 import torch
 
 from rlmesh.coordinator.v1 import coordinator_pb2_grpc
+from services.common.client import make_sync_channel
+from services.common.security import ClientCredentials
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -59,8 +60,11 @@ def wait_for_file(path: pathlib.Path, proc: subprocess.Popen, log_path: pathlib.
     return json.loads(path.read_text())
 
 
-def control_stub(address: str):
-    channel = grpc.insecure_channel(address)
+def control_stub(address: str, run_dir: pathlib.Path | None = None):
+    """A stub of the coordinator's control API; with run_dir it sends the run's token
+    ({run_dir}/auth_token), which Pause / Resume / Stop require."""
+    token = (run_dir / "auth_token").read_text().strip() if run_dir is not None else ""
+    channel = make_sync_channel(address, credentials=ClientCredentials(token=token))
     return channel, coordinator_pb2_grpc.CoordinatorServiceStub(channel)
 
 

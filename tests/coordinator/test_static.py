@@ -90,7 +90,7 @@ def test_static_grpo_control_api_and_resume(services, tiny_model_dir, tiny_data_
     log = tmp_path / "run-a.log"
     proc = start_coordinator("services.coordinator", argv, log)
     info = wait_for_file(tmp_path / "control.json", proc, log, timeout_s=120)
-    channel, stub = control_stub(info["address"])
+    channel, stub = control_stub(info["address"], tmp_path / "run")
     with channel:
         stream = stub.StreamMetrics(pb.StreamMetricsRequest(since_step=0), timeout=300)
         first = next(stream)
@@ -132,7 +132,7 @@ def test_static_grpo_control_api_and_resume(services, tiny_model_dir, tiny_data_
     log_b = tmp_path / "run-b.log"
     proc = start_coordinator("services.coordinator", argv_b, log_b)
     info = wait_for_file(tmp_path / "control.json", proc, log_b, timeout_s=120)
-    channel, stub = control_stub(info["address"])
+    channel, stub = control_stub(info["address"], tmp_path / "run")
     with channel:
         stream = stub.StreamMetrics(pb.StreamMetricsRequest(since_step=-1), timeout=300)
         resumed = next(stream)
