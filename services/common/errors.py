@@ -3,6 +3,12 @@
 Service code raises `ServiceError`; the `handle_errors` decorator on each servicer method turns it
 into a gRPC status, so one bad request never takes the server down and other callers keep being
 served.
+
+Every status a service returns this way is final: it carries gRPC's retry pushback trailer
+(`grpc-retry-pushback-ms: -1`), which tells a client channel's retry policy not to send the call
+again. A service that answers UNAVAILABLE has already done its own retrying (e.g. the reward
+service over its remote servers), so a channel retry would only multiply the attempts; channel
+retries are left for failures that never reached a service (connection refused or reset).
 """
 
 import functools
@@ -34,11 +40,15 @@ def failed_precondition(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.FAILED_PRECONDITION, message)
 
 
+# gRPC's retry pushback (gRFC A6): a negative value means "do not retry this call".
+FINAL_TRAILER = (("grpc-retry-pushback-ms", "-1"),)
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, name: str):
     if isinstance(exc, ServiceError):
-        await context.abort(exc.code, exc.message)
+        await context.abort(exc.code, exc.message, FINAL_TRAILER)
     _log.error("unhandled error in %s: %s\n%s", name, exc, traceback.format_exc())
-    await context.abort(grpc.StatusCode.INTERNAL, f"{name} failed: {type(exc).__name__}: {exc}")
+    await context.abort(grpc.StatusCode.INTERNAL, f"{name} failed: {type(exc).__name__}: {exc}", FINAL_TRAILER)
 
 
 def handle_errors(method):

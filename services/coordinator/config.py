@@ -208,6 +208,10 @@ class CoordinatorConfig(ServerConfig):
     run_dir: str = opt("", "folder of metrics.jsonl, service logs and plots; empty = runs/<run name>")
     progress_bar: bool = opt(True, "show a progress bar per step when stderr is a terminal")
     rpc_timeout_s: float = opt(1800.0, "deadline of the long calls (Generate, TrainActor, PushWeights)")
+    scoring_retries: int = opt(4, "times a reward / reference call is sent again after its instance died "
+                               "(connection refused or reset), to another instance or the restarted one")
+    scoring_wait_s: float = opt(300.0, "how long a reward / reference call waits in all for a serving instance "
+                                "when every instance is down (e.g. restarting), seconds; past it the step fails")
 
     # The coordinator's own gRPC API (GetStatus, StreamMetrics, Pause, Resume, Stop) and metrics.
     host: str = opt("127.0.0.1", "address the coordinator's control API binds to")
@@ -375,6 +379,9 @@ class CoordinatorConfig(ServerConfig):
             raise ConfigError(
                 f"--train_batch_size {self.train_batch_size} must be a multiple of --micro_train_batch_size x actor "
                 f"ranks = {self.micro_train_batch_size} x {ranks}; change either")
+        if self.scoring_retries < 0 or not self.scoring_wait_s > 0:
+            raise ConfigError(f"--scoring_retries {self.scoring_retries} must be >= 0 and --scoring_wait_s "
+                              f"{self.scoring_wait_s} > 0")
         if self.max_steps < 0:
             raise ConfigError("--max_steps must be >= 0 (0 = run all episodes)")
         if self.save_steps == 0:

@@ -28,6 +28,9 @@ SAMPLES = prometheus_client.Counter("rlmesh_coordinator_samples_total", "Samples
 GENERATED_TOKENS = prometheus_client.Counter("rlmesh_coordinator_generated_tokens_total", "Response tokens generated")
 FILTERED_PROMPTS = prometheus_client.Counter("rlmesh_coordinator_filtered_prompts_total",
                                              "Prompts dropped by dynamic filtering (all samples scored the same)")
+RPC_RETRIES = prometheus_client.Counter("rlmesh_coordinator_rpc_retries_total",
+                                       "Calls sent again to another instance after theirs died, by service",
+                                       ["service"])
 GLOBAL_STEP = prometheus_client.Gauge("rlmesh_coordinator_global_step", "Last completed global step")
 WEIGHT_VERSION = prometheus_client.Gauge("rlmesh_coordinator_weight_version",
                                          "Weight version verified on every rollout engine")

@@ -20,6 +20,7 @@ import asyncio
 import hashlib
 import json
 import math
+import pathlib
 import sys
 import time
 from collections.abc import Awaitable
@@ -47,6 +48,7 @@ from services.coordinator.experience import Sample, StepCollector
 from services.coordinator.metrics import MetricsLog
 from services.coordinator.placement import Endpoints
 from services.coordinator.rollout_pool import RolloutPool, gather_or_cancel
+from services.coordinator.scoring_pool import ScoringPool
 from services.reward.client import ReferenceClient, RewardClient
 from services.reward.source import ScoreBatch
 
@@ -66,22 +68,6 @@ class WeightSyncError(RuntimeError):
     """An engine does not hold the weights the learner pushed."""
 
 
-class _Balanced:
-    """Picks the client with the fewest calls in flight (reward and reference instances)."""
-
-    def __init__(self, clients: list):
-        self.clients = clients
-        self.in_flight = [0] * len(clients)
-
-    async def call(self, fn):
-        i = min(range(len(self.clients)), key=lambda k: (self.in_flight[k], k))
-        self.in_flight[i] += 1
-        try:
-            return await fn(self.clients[i])
-        finally:
-            self.in_flight[i] -= 1
-
-
 def _step_seed(seed: int, step: int, what: str) -> int:
     digest = hashlib.blake2b(f"{seed}/{step}/{what}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
@@ -95,13 +81,17 @@ class Trainer:
                  eval_prompts: list[Prompt] | None = None):
         self.config, self.endpoints, self.control = config, endpoints, control
         self.stream, self.metrics, self.state = stream, metrics, state
+        self.run_id = pathlib.PurePath(state.run_dir).name or "run"  # in request ids
         self.weight_sync_master = weight_sync_master
         self.eval_prompts = eval_prompts or []  # empty = no evaluation during training
         self.last_eval_step = -1
         cfg = config
         self.pool = RolloutPool(endpoints.rollout, cfg.rpc_timeout_s, cfg.max_message_mb)
-        self.rewards = _Balanced([RewardClient(a, timeout_s=cfg.rpc_timeout_s) for a in endpoints.reward])
-        self.references = _Balanced([ReferenceClient(a, timeout_s=cfg.rpc_timeout_s) for a in endpoints.reference])
+        # The pools retry a call on another instance when its instance dies, so their channels do not.
+        self.rewards = ScoringPool("reward", endpoints.reward, lambda a: RewardClient(
+            a, timeout_s=cfg.rpc_timeout_s, channel_retries=False), cfg.scoring_wait_s, cfg.scoring_retries)
+        self.references = ScoringPool("reference", endpoints.reference, lambda a: ReferenceClient(
+            a, timeout_s=cfg.rpc_timeout_s, channel_retries=False), cfg.scoring_wait_s, cfg.scoring_retries)
         self.learner_channel = make_channel(endpoints.learner, LEARNER_SERVICE, idempotent_methods=LEARNER_IDEMPOTENT,
                                             default_timeout_s=cfg.rpc_timeout_s, max_message_mb=cfg.max_message_mb)
         self.learner = learner_pb2_grpc.LearnerServiceStub(self.learner_channel)
@@ -118,7 +108,7 @@ class Trainer:
 
     async def close(self) -> None:
         closers = [self.pool.close(), self.learner_channel.close()]
-        closers += [c.close() for c in self.rewards.clients + self.references.clients]
+        closers += [self.rewards.close(), self.references.close()]
         await asyncio.gather(*closers, return_exceptions=True)
 
     # ------------------------------------------------------------------------------------------
@@ -325,7 +315,9 @@ class Trainer:
                            sample_ids=[s.sample_id for s in samples],
                            data_sources=[s.prompt.datasource for s in samples])
         t0 = time.monotonic()
-        result = await self.rewards.call(lambda c: c.score(batch, request_id=f"step{self.state.global_step + 1}"))
+        # One id per (run, step, micro-batch): a batch sent again is answered once by the reward service.
+        request_id = f"{self.run_id}/step{self.state.global_step + 1}/{samples[0].sample_id}+{len(samples)}"
+        result = await self.rewards.call(lambda c: c.score(batch, request_id=request_id))
         self._rpc_seconds["score"] += time.monotonic() - t0
         for i, s in enumerate(samples):
             s.reward, s.score = float(result.rewards[i]), float(result.scores[i])

@@ -30,7 +30,7 @@ def main(argv=None) -> None:
 
     async def build(runner) -> None:
         if source is not None:
-            await add_reward_service(runner, source, config.reward_clip_range)
+            await add_reward_service(runner, source, config.reward_clip_range, config.recent_answers)
         if reference is not None:
             add_reference_service(runner, reference)
 

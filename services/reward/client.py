@@ -110,8 +110,11 @@ class RewardClient:
     """Calls RewardService.Score, splitting big batches into requests of at most max_request_mb."""
 
     def __init__(self, address: str, timeout_s: float = 600.0, max_request_mb: float = 32.0,
-                 max_concurrent: int = 4, max_message_mb: int = 256, **channel_kwargs):
-        self.channel = make_channel(address, REWARD_SERVICE, idempotent_methods=("Score", "GetRewardInfo"),
+                 max_concurrent: int = 4, max_message_mb: int = 256, channel_retries: bool = True,
+                 **channel_kwargs):
+        # channel_retries=False when the caller retries elsewhere itself (the coordinator's ScoringPool).
+        idempotent = ("Score", "GetRewardInfo") if channel_retries else ()
+        self.channel = make_channel(address, REWARD_SERVICE, idempotent_methods=idempotent,
                                     default_timeout_s=timeout_s, max_message_mb=max_message_mb, **channel_kwargs)
         self.stub = reward_pb2_grpc.RewardServiceStub(self.channel)
         self.max_request_bytes = int(max_request_mb * MiB)
@@ -143,8 +146,10 @@ class ReferenceClient:
     """Calls ReferenceService.RefLogProbs, splitting big batches into requests of at most max_request_mb."""
 
     def __init__(self, address: str, timeout_s: float = 600.0, max_request_mb: float = 32.0,
-                 max_concurrent: int = 2, max_message_mb: int = 256, **channel_kwargs):
-        self.channel = make_channel(address, REFERENCE_SERVICE, idempotent_methods=("RefLogProbs",),
+                 max_concurrent: int = 2, max_message_mb: int = 256, channel_retries: bool = True,
+                 **channel_kwargs):
+        idempotent = ("RefLogProbs",) if channel_retries else ()
+        self.channel = make_channel(address, REFERENCE_SERVICE, idempotent_methods=idempotent,
                                     default_timeout_s=timeout_s, max_message_mb=max_message_mb, **channel_kwargs)
         self.stub = reference_pb2_grpc.ReferenceServiceStub(self.channel)
         self.max_request_bytes = int(max_request_mb * MiB)

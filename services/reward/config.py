@@ -58,6 +58,8 @@ class RewardConfig(ServerConfig):
     remote_rm_backoff_s: float = opt(0.5, "first back-off before a retry, seconds; doubles per retry, with jitter")
     remote_rm_backoff_max_s: float = opt(8.0, "longest back-off before a retry, seconds")
     remote_rm_tls_ca: str = opt("", "PEM CA bundle for TLS to grpc:// reward servers; empty: plaintext")
+    recent_answers: int = opt(1024, "Score answers kept by request id, so that a batch a caller sends again "
+                                    "(after a lost reply) is answered without scoring it twice; 0 = keep none")
     reward_func_timeout_s: float = opt(300.0, "time limit of one reward function call (one batch), seconds")
 
     # Rule rewards.
@@ -112,6 +114,8 @@ class RewardConfig(ServerConfig):
                 raise ConfigError(f"--{name} {value} must be a positive number of seconds")
         if self.remote_rm_retries < 0:
             raise ConfigError(f"--remote_rm_retries {self.remote_rm_retries} must be >= 0")
+        if self.recent_answers < 0:
+            raise ConfigError(f"--recent_answers {self.recent_answers} must be >= 0 (0 keeps none)")
 
     def _parse_remote(self) -> None:
         entries = [u.strip() for u in self.remote_rm_url.split(",") if u.strip()]

@@ -16,6 +16,9 @@ SCORED_SAMPLES = prometheus_client.Counter(
 SCORE_ERRORS = prometheus_client.Counter(
     metric_name("reward", "score_errors", "total"),
     "Score requests that failed, by source kind and gRPC status code", ["source", "code"])
+DEDUPLICATED = prometheus_client.Counter(
+    metric_name("reward", "deduplicated_requests", "total"),
+    "Score requests answered from an earlier request with the same request_id and content (a caller's retry)")
 REWARD_VALUES = prometheus_client.Histogram(
     metric_name("reward", "reward_value"), "Final per-sample rewards (after normalisation and clipping)",
     ["source"], buckets=_REWARD_BUCKETS)

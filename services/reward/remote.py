@@ -6,6 +6,11 @@ wire at once, and each chunk goes to the endpoint with the fewest outstanding re
 that failed recently come last). Connection errors, timeouts and 5xx (UNAVAILABLE for gRPC) are retried
 with exponential back-off and jitter; anything else fails the batch at once. When the retry budget
 is spent the batch fails with UNAVAILABLE, naming the endpoints and the last error.
+
+This is the only layer that retries the reward service -> remote server hop, and it is bounded:
+a chunk takes at most (max_retries + 1) attempts of timeout_s each plus the back-offs between
+them, i.e. with the defaults 4 x 60 s + at most 0.5 + 1 + 2 s = 243.5 s. The UNAVAILABLE it ends
+with is final (services.common.errors), so no client channel sends the batch again.
 """
 
 from __future__ import annotations
@@ -143,6 +148,7 @@ class RemoteSource(RewardSource):
                 self._record(endpoint, outcome, start)
                 if outcome == "ok":
                     return result
+                self.last_error = last_error
                 if attempt < policy.max_retries:
                     metrics.REMOTE_RETRIES.labels(endpoint.address).inc()
                     await asyncio.sleep(backoff_delay(attempt, policy.backoff_s, policy.backoff_max_s, self._rng))

@@ -25,6 +25,7 @@ from services.reward.config import RewardConfig
 from services.reward.function_source import FunctionRewardSource
 from services.reward.grpc_source import GrpcRewardSource
 from services.reward.http_source import HttpRewardSource
+from services.reward.recent import RecentAnswers
 from services.reward.remote import RemotePolicy
 from services.reward.rules import MathScheme, RuleRewardSource
 from services.reward.source import RewardSource, ScoreBatch
@@ -62,15 +63,47 @@ def batch_from_request(request: reward_pb2.ScoreRequest) -> ScoreBatch:
         prompt_token_ids=token_ids["prompt_token_ids"], response_token_ids=token_ids["response_token_ids"])
 
 
-class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
-    """Score over one RewardSource, then clipping; the source did any normalisation."""
+# A Score answers this long before its caller's deadline, so that the caller reads the reason
+# (e.g. a hanging remote server) instead of its own DEADLINE_EXCEEDED.
+DEADLINE_MARGIN_S = 2.0
 
-    def __init__(self, source: RewardSource, clip_range: list[float] | tuple = ()):
+
+class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
+    """Score over one RewardSource, then clipping; the source did any normalisation.
+
+    A request sent again under the same request_id is answered once (services.reward.recent).
+    """
+
+    def __init__(self, source: RewardSource, clip_range: list[float] | tuple = (), recent_answers: int = 1024):
         self.source = source
         self.clip = tuple(clip_range) if clip_range else None
+        self.recent = RecentAnswers(recent_answers)
 
     @handle_errors
     async def Score(self, request: reward_pb2.ScoreRequest, context) -> reward_pb2.ScoreResponse:
+        remaining = context.time_remaining()
+        budget = None if remaining is None else max(remaining - min(DEADLINE_MARGIN_S, 0.1 * remaining), 0.0)
+        try:
+            async with asyncio.timeout(budget):
+                answer, reused = await self.recent.get_or_compute(self.recent.key(request),
+                                                                  lambda: self._score(request))
+        except TimeoutError:
+            metrics.SCORE_ERRORS.labels(self.source.kind, "DEADLINE_EXCEEDED").inc()
+            last = f"; last error: {self.source.last_error}" if self.source.last_error else ""
+            message = (f"reward source {self.source.kind} ({self.source.describe()}) did not score the "
+                       f"{len(request.samples)} samples of request {request.request_id or '(no id)'} within the "
+                       f"caller's deadline ({remaining:.1f} s){last}; the reward server may be hanging: check "
+                       "it, lower --remote_rm_timeout_s / --remote_rm_retries so that the retries fit the "
+                       "deadline, or give the caller a longer deadline (--rpc_timeout_s)")
+            log_event(log, "score.deadline", request.request_id, level=logging.WARNING, samples=len(request.samples),
+                      deadline_s=f"{remaining:.1f}")
+            raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, message) from None
+        if reused:
+            metrics.DEDUPLICATED.inc()
+            log_event(log, "score.deduplicated", request.request_id, samples=len(request.samples))
+        return answer
+
+    async def _score(self, request: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
         kind = self.source.kind
         start = time.monotonic()
         try:
@@ -194,11 +227,13 @@ def make_reward_source(config: RewardConfig) -> RewardSource | None:
     return None
 
 
-async def add_reward_service(runner: ServiceRunner, source: RewardSource, clip_range=()) -> None:
+async def add_reward_service(runner: ServiceRunner, source: RewardSource, clip_range=(),
+                             recent_answers: int = 1024) -> None:
     """Starts the source and registers RewardService on the runner (closing the source at shutdown)."""
     await source.start()
     runner.on_shutdown.append(source.close)
-    runner.add(reward_pb2_grpc.add_RewardServiceServicer_to_server, RewardServicer(source, clip_range), REWARD_SERVICE)
+    runner.add(reward_pb2_grpc.add_RewardServiceServicer_to_server,
+               RewardServicer(source, clip_range, recent_answers), REWARD_SERVICE)
     log_event(log, "reward.source", kind=source.kind, description=source.describe())
 
 

@@ -86,6 +86,8 @@ class RewardSource(abc.ABC):
     kind: str = ""
     requires_labels: bool = False
     requires_token_ids: bool = False
+    # The latest failed attempt ("" if none), for the message when a caller's deadline cuts scoring short.
+    last_error: str = ""
 
     @abc.abstractmethod
     def describe(self) -> str:
