@@ -81,8 +81,9 @@ class WeightSender:
         """Sends one chunk's buckets. Collective over the learner's ranks under ZeRO-3.
 
         Returns (name -> DigestEntry of what rank 0 sent, serialized IpcBucket messages of this rank).
-        gloo / nccl: bucket b is broadcast from a helper thread while this one digests it and then
-        gathers and packs bucket b + 1, so packing, hashing and sending overlap (two buffers live).
+        gloo / nccl: bucket b is broadcast from a helper thread while this one sums its digest on
+        the device and then gathers and packs bucket b + 1, so packing, checking and sending
+        overlap (two buffers live); the host reads the digests once, after the last bucket.
         If a broadcast fails (an engine went away), rank 0 stops sending but keeps taking part in
         the gathers, so the learner's ranks stay in step, and raises UNAVAILABLE at the end.
         """
@@ -91,6 +92,7 @@ class WeightSender:
         self.release()
         by_name = dict(module.named_parameters())
         entries: dict[str, weights.DigestEntry] = {}
+        sums: list[tuple[torch.Tensor, list[weights.ParamSlot]]] = []
         ipc: list[bytes] = []
         in_flight: concurrent.futures.Future | None = None
         send_error: Exception | None = None
@@ -121,9 +123,12 @@ class WeightSender:
                 if send_error is not None:
                     continue
                 in_flight = self._sending.submit(self.group.broadcast_from_learner, buffer)
-            digests = weights.bucket_digests(buffer, members)
-            entries.update({s.name: weights.DigestEntry(s.dtype, s.shape, digests[s.name]) for s in members})
+            sums.append((weights.bucket_sums(buffer, members), members))
         settle()
+        # The digests were summed on the device; the host waits for them once per chunk.
+        for bucket_sum, members in sums:
+            digests = weights.digests_from_sums(bucket_sum, members)
+            entries.update({s.name: weights.DigestEntry(s.dtype, s.shape, digests[s.name]) for s in members})
         if send_error is not None:
             self.group = None
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,

@@ -37,13 +37,14 @@ from services.common.weights import (
     DigestEntry,
     ParamSlot,
     WeightGroup,
-    bucket_digests,
     bucket_members,
+    bucket_sums,
     combine_digests,
+    digests_from_sums,
     open_weight_group,
     pack_bucket,
     plan_buckets,
-    send_bucket,
+    send_buckets,
     share_bucket_ipc,
     update_weights_request,
 )
@@ -157,10 +158,7 @@ class WeightPusher:
         request = update_weights_request(version, slots, sizes, chunk_index=index, final=final)
         calls = [asyncio.ensure_future(s.UpdateWeights(request)) for s in self.stubs]
         try:
-            for bucket, members in enumerate(bucket_members(slots, len(sizes))):
-                chunk = {s.name: tensors[s.name] for s in members}
-                digests = await asyncio.to_thread(send_bucket, self.group, chunk, members, sizes[bucket])
-                entries.update({s.name: DigestEntry(s.dtype, s.shape, digests[s.name]) for s in members})
+            entries.update(await asyncio.to_thread(send_buckets, self.group, slots, sizes, tensors))
         except BaseException:
             for call in calls:
                 call.cancel()
@@ -169,11 +167,12 @@ class WeightPusher:
 
     async def _push_chunk_ipc(self, version, index, final, slots, sizes, tensors, entries):
         device = torch.device("cuda", torch.cuda.current_device())
-        buffers = [pack_bucket(tensors, members, sizes[b], device)
-                   for b, members in enumerate(bucket_members(slots, len(sizes)))]
-        torch.cuda.synchronize(device)
-        for buffer, members in zip(buffers, bucket_members(slots, len(sizes))):
-            digests = bucket_digests(buffer, members)
+        members_of = bucket_members(slots, len(sizes))
+        buffers = [pack_bucket(tensors, members, sizes[b], device) for b, members in enumerate(members_of)]
+        # Summed on the GPU; share_bucket_ipc records an event the engine waits for before reading.
+        sums = [bucket_sums(buffer, members) for buffer, members in zip(buffers, members_of)]
+        for bucket_sum, members in zip(sums, members_of):
+            digests = digests_from_sums(bucket_sum, members)
             entries.update({s.name: DigestEntry(s.dtype, s.shape, digests[s.name]) for s in members})
         handles = [share_bucket_ipc(buffer, b) for b, buffer in enumerate(buffers)]
         request = update_weights_request(version, slots, sizes, chunk_index=index, final=final, ipc_buckets=handles)

@@ -16,9 +16,10 @@ import torch
 from rlmesh.rollout.v1 import rollout_pb2
 from services.common.weights import (
     ParamSlot,
-    bucket_digests,
     bucket_members,
+    bucket_sums,
     device_uuid,
+    digests_from_sums,
     dtype_name,
     open_bucket_ipc,
     open_weight_group,
@@ -73,16 +74,21 @@ class WeightReceiver:
     def receive(self, chunk: WeightChunk, device: torch.device, load: LoadFn) -> dict[str, str]:
         """Receives every bucket of `chunk`, calls load(pairs) per bucket; returns name -> hex digest.
 
+        The digests are summed on `device` bucket by bucket and read back once, at the end, so
+        receiving, loading and checking the buckets never wait for the host in between.
         A failure (peer gone, timeout, missing handle) raises; the group is then closed, so the
         next push needs a new InitWeightTransfer.
         """
         if not self.backend:
             raise RuntimeError("no weight transfer set up on this worker; call InitWeightTransfer first")
-        digests: dict[str, str] = {}
+        sums = []
         try:
             for buffer, members in self._buckets(chunk, device):
-                digests.update({n: d.hex() for n, d in bucket_digests(buffer, members).items()})
+                sums.append((bucket_sums(buffer, members), members))
                 load(unpack_bucket(buffer, members))
+            digests: dict[str, str] = {}
+            for bucket_sum, members in sums:
+                digests.update({n: d.hex() for n, d in digests_from_sums(bucket_sum, members).items()})
         except BaseException:
             if self.backend != "ipc":
                 self.close()
@@ -99,6 +105,7 @@ class WeightReceiver:
             msg = rollout_pb2.IpcBucket.FromString(raw)
             if msg.device_uuid == mine:
                 handles[msg.bucket] = msg
+        buffers = []
         for bucket, members in enumerate(bucket_members(chunk.slots, len(chunk.bucket_sizes))):
             if bucket not in handles:
                 raise RuntimeError(f"ipc_buckets has no handle of bucket {bucket} for this worker's GPU {mine}")
@@ -106,7 +113,9 @@ class WeightReceiver:
             if buffer.numel() != chunk.bucket_sizes[bucket]:
                 raise RuntimeError(f"ipc bucket {bucket}: handle maps {buffer.numel()} bytes, "
                                    f"bucket_bytes says {chunk.bucket_sizes[bucket]}")
+            buffers.append(buffer)
             yield buffer, members
-            # The producer may reuse its buffer once the reply arrives: finish reading it first.
-            torch.cuda.synchronize(device)
-            del buffer
+        # The producer may reuse its buffers once the reply arrives: finish reading them first
+        # (once per chunk, not per bucket, so the copies of every bucket queue up back to back).
+        torch.cuda.synchronize(device)
+        del buffers

@@ -1,12 +1,16 @@
 """The coordinator on a CUDA GPU (skipped without one): the skill page's hybrid-engine GRPO command
 on one GPU, placed locally and on a local Ray instance. Every role shares the GPU; vLLM sleeps
 while the learner trains and the learner offloads while vLLM generates; weights travel over CUDA
-IPC and are verified on the engine after every step.
+IPC and are verified on the engine after every step. The runs are pinned to the first visible GPU
+(CUDA_VISIBLE_DEVICES), so they test the one-GPU layout on a machine with any number of GPUs
+(Ray would otherwise count every GPU of the machine).
 
     PYTHONPATH=.:protos python -m pytest tests/coordinator/test_gpu.py -x -q
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -19,7 +23,13 @@ HYBRID = ["--vllm_enable_sleep", "--deepspeed_enable_sleep", "--vllm_gpu_memory_
           "--enforce_eager"]
 
 
-def run_hybrid(tmp_path, model, reward_model, data, *extra):
+def first_visible_gpu() -> str:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    return visible.split(",")[0] if visible else "0"
+
+
+def run_hybrid(tmp_path, monkeypatch, model, reward_model, data, *extra):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", first_visible_gpu())  # the coordinator, its services and Ray
     argv = seed_grpo_command(model, reward_model, data, tmp_path) + HYBRID + list(extra)
     log = tmp_path / "coordinator.log"
     proc = start_coordinator("services.coordinator.train_ppo_ray", argv, log)
@@ -35,11 +45,11 @@ def run_hybrid(tmp_path, model, reward_model, data, *extra):
     return output, records
 
 
-def test_hybrid_engine_on_one_gpu_local(tiny_model_dir, tiny_reward_model_dir, tiny_data_dir, tmp_path):
-    run_hybrid(tmp_path, tiny_model_dir, tiny_reward_model_dir, tiny_data_dir)
+def test_hybrid_engine_on_one_gpu_local(tiny_model_dir, tiny_reward_model_dir, tiny_data_dir, tmp_path, monkeypatch):
+    run_hybrid(tmp_path, monkeypatch, tiny_model_dir, tiny_reward_model_dir, tiny_data_dir)
 
 
-def test_hybrid_engine_on_one_gpu_ray(tiny_model_dir, tiny_reward_model_dir, tiny_data_dir, tmp_path):
+def test_hybrid_engine_on_one_gpu_ray(tiny_model_dir, tiny_reward_model_dir, tiny_data_dir, tmp_path, monkeypatch):
     pytest.importorskip("ray")
-    output, _ = run_hybrid(tmp_path, tiny_model_dir, tiny_reward_model_dir, tiny_data_dir, "--placement", "ray")
+    output, _ = run_hybrid(tmp_path, monkeypatch, tiny_model_dir, tiny_reward_model_dir, tiny_data_dir, "--placement", "ray")
     assert "ray.connected address=local gpus=1" in output

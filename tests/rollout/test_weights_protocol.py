@@ -4,6 +4,7 @@ between two ranks, on CPU without any service."""
 from __future__ import annotations
 
 import hashlib
+import struct
 import threading
 
 import pytest
@@ -64,16 +65,47 @@ def test_check_layout_names_the_broken_parameter():
         weights.check_layout([slots[0], slots[0]], [64])
 
 
+def written_tensor_digest(t: torch.Tensor) -> bytes:
+    """combine_digests' definition of a tensor digest, in plain Python integers."""
+    raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    raw += b"\0" * (-len(raw) % 4)
+    words = struct.unpack(f"<{len(raw) // 4}i", raw)
+    a = sum(words) % 2 ** 64
+    b = sum((i + 1) * w for i, w in enumerate(words)) % 2 ** 64
+    return a.to_bytes(8, "little") + b.to_bytes(8, "little")
+
+
 def test_checksum_follows_its_written_definition():
     tensors = named_tensors()
     h = hashlib.blake2b(digest_size=16)
     for name in sorted(tensors):
         t = tensors[name]
-        raw = t.contiguous().view(torch.uint8).numpy().tobytes() if t.dtype != torch.bfloat16 else \
-            t.view(torch.int16).numpy().tobytes()
         h.update(name.encode() + b"\0" + str(t.dtype).removeprefix("torch.").encode() + b"\0"
-                 + ",".join(map(str, t.shape)).encode() + b"\0" + hashlib.blake2b(raw, digest_size=16).digest())
+                 + ",".join(map(str, t.shape)).encode() + b"\0" + written_tensor_digest(t))
     assert weights.weights_checksum(tensors.items()) == h.hexdigest()
+
+
+def test_bucket_sums_equal_the_written_digest_of_every_parameter():
+    # Odd byte counts (a bucket ending inside a 64-byte row, a parameter ending inside a word),
+    # values whose sums wrap past 2**63, an empty tensor and a scalar, in buckets of every size.
+    g = torch.Generator().manual_seed(3)
+    tensors = {"odd.bf16": torch.randn(3, 5, generator=g).bfloat16(), "fp16": torch.randn(33, 17, generator=g).half(),
+               "huge": torch.full((5000,), -3.0e38).float(), "empty": torch.zeros(0), "scalar": torch.tensor(1.5),
+               "tail": torch.randn(7, generator=g).bfloat16()}
+    for bucket_bytes in (64, 2000, 1 << 20):
+        slots, sizes = weights.plan_buckets([(n, t.dtype, t.shape) for n, t in tensors.items()], bucket_bytes)
+        for bucket, members in enumerate(weights.bucket_members(slots, len(sizes))):
+            buffer = weights.pack_bucket(tensors, members, sizes[bucket], "cpu")
+            digests = weights.bucket_digests(buffer, members)
+            assert digests == {s.name: written_tensor_digest(tensors[s.name]) for s in members}
+    assert all(weights.tensor_digest(t) == written_tensor_digest(t) for t in tensors.values())
+    # Two swapped words change B (A alone would not see it).
+    words = tensors["huge"].clone().view(torch.int32)
+    words[[3, 4]] = torch.tensor([7, 9], dtype=torch.int32)
+    swapped = words.clone()
+    swapped[[3, 4]] = swapped[[4, 3]]
+    before, after = weights.tensor_digest(words), weights.tensor_digest(swapped)
+    assert before[:8] == after[:8] and before[8:] != after[8:]
 
 
 def test_checksum_ignores_order_and_sees_one_changed_bit_or_dtype():
