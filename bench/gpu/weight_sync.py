@@ -419,22 +419,21 @@ def bench_model(shape: str, args, tmp: pathlib.Path, two_gpus: bool) -> list[tup
             rows.append((f"(c) rlmesh {sender} CUDA IPC, same GPU", median(times), total))
             for s in learners.values():  # frees the GPU memory before the pusher rows
                 s.stop()
-        # The WeightPusher rows (the only sender for 7B; a second opinion for 0.5B).
-        if two_gpus:
-            result = run_child("pusher", 0, args, "--backend", "nccl", "--address", rollout.address)
-            assert result["consistent"], result
-            check_engine(engine, result["last_version"], result["checksum"])
-            rows.append(("(b) rlmesh WeightPusher nccl -> vLLM on GPU1", median(result["seconds"]), total))
-            if not use_learner:
+        if not use_learner:  # the WeightPusher rows
+            if two_gpus:
+                result = run_child("pusher", 0, args, "--backend", "nccl", "--address", rollout.address)
+                assert result["consistent"], result
+                check_engine(engine, result["last_version"], result["checksum"])
+                rows.append(("(b) rlmesh WeightPusher nccl -> vLLM on GPU1", median(result["seconds"]), total))
                 per_param = argparse.Namespace(**{**vars(args), "bucket_mb": 0})
                 result = run_child("pusher", 0, per_param, "--backend", "nccl", "--address", rollout.address)
                 assert result["consistent"], result
                 rows.append(("(d) rlmesh WeightPusher nccl, one bucket per parameter", median(result["seconds"]),
                              total))
-        result = run_child("pusher", engine_gpu, args, "--backend", "ipc", "--address", rollout.address)
-        assert result["consistent"], result
-        check_engine(engine, result["last_version"], result["checksum"])
-        rows.append(("(c) rlmesh WeightPusher CUDA IPC, same GPU", median(result["seconds"]), total))
+            result = run_child("pusher", engine_gpu, args, "--backend", "ipc", "--address", rollout.address)
+            assert result["consistent"], result
+            check_engine(engine, result["last_version"], result["checksum"])
+            rows.append(("(c) rlmesh WeightPusher CUDA IPC, same GPU", median(result["seconds"]), total))
     finally:
         for s in learners.values():
             s.stop()
