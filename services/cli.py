@@ -6,6 +6,7 @@
     rlmesh train --config examples/tiny_grpo.yaml                the RL loop (coordinator)
     rlmesh quickstart                                            the embedded end-to-end default
     rlmesh sft|rm|dpo|eval|plot ...                              offline trainers and tools
+    rlmesh scale rollout|reward N --run_dir RUN                  more or fewer instances of a running run
     rlmesh make-tiny-model OUT / make-data OUT                   local tiny models and data
 """
 
@@ -21,6 +22,7 @@ COMMANDS = {
     "dpo": ("services.learner.train_dpo", "main", "direct preference optimisation"),
     "eval": ("services.coordinator.evaluate", "main", "pass@1 / pass@n of a model through the rollout and reward services"),
     "plot": ("services.coordinator.plot", "main", "PNG curves of a run folder's metrics.jsonl"),
+    "scale": ("services.coordinator.scale_cli", "main", "add or remove rollout / reward instances of a running run"),
     "make-tiny-model": ("services.common.tiny", "main_make_tiny_model", "build a tiny random model with a local tokenizer"),
     "make-data": ("services.common.tiny", "main_make_data", "write the local arithmetic / SFT / preference data sets"),
 }

@@ -212,6 +212,12 @@ class CoordinatorConfig(ServerConfig):
                                "(connection refused or reset), to another instance or the restarted one")
     scoring_wait_s: float = opt(300.0, "how long a reward / reference call waits in all for a serving instance "
                                 "when every instance is down (e.g. restarting), seconds; past it the step fails")
+    # Supervision (services/coordinator/supervisor.py): restarts of services that die during the run.
+    max_restarts: int = opt(3, "restarts allowed per service instance (rollout-0, learner, ...) before the run "
+                            "stops with that service's exit code and log; 0 = never restart")
+    restart_backoff_s: float = opt(1.0, "wait before a service's first restart; doubled for each further "
+                                   "restart of the same instance, at most 60 s")
+    health_poll_s: float = opt(0.5, "how often the supervisor checks that every service is alive")
 
     # The coordinator's own gRPC API (GetStatus, StreamMetrics, Pause, Resume, Stop) and metrics.
     host: str = opt("127.0.0.1", "address the coordinator's control API binds to")
@@ -367,6 +373,9 @@ class CoordinatorConfig(ServerConfig):
                      "logging_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} {getattr(self, name)} must be >= 1")
+        if self.max_restarts < 0 or self.restart_backoff_s < 0 or self.health_poll_s <= 0:
+            raise ConfigError(f"--max_restarts {self.max_restarts} and --restart_backoff_s {self.restart_backoff_s} "
+                              f"must be >= 0 and --health_poll_s {self.health_poll_s} > 0")
         samples = self.samples_per_step()
         if samples % self.train_batch_size:
             raise ConfigError(

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rlmesh.coordinator.v1 import coordinator_pb2 as pb
 from rlmesh.coordinator.v1 import coordinator_pb2_grpc
 from services.common.client import make_channel
-from services.common.errors import handle_errors
+from services.common.errors import ServiceError, handle_errors
 from services.coordinator.metrics import MetricsLog
 
 SERVICE_NAME = "rlmesh.coordinator.v1.CoordinatorService"
@@ -29,6 +29,8 @@ class ServiceEntry:
     index: int
     address: str
     weight_version: int = 0
+    state: str = "serving"  # the supervisor's view (services/coordinator/supervisor.py)
+    restarts: int = 0
 
 
 class RunControl:
@@ -47,6 +49,8 @@ class RunControl:
         self.run_dir = ""
         self.started = time.monotonic()
         self.services: list[ServiceEntry] = []
+        self.refresh_services = None  # rebuilds `services` from the supervisor (set once it runs)
+        self.scaler = None  # services/coordinator/scaling.py Scaler, once the run is supervised
         self.metrics: MetricsLog | None = None
         self.metrics_ready = asyncio.Event()  # set once `metrics` exists (after a resume is loaded)
         self.stop_requested = False
@@ -117,9 +121,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     @handle_errors
     async def GetStatus(self, request, context):
         c = self.control
+        if c.refresh_services is not None:
+            c.refresh_services()
         checks = await asyncio.gather(*(_health(s.address) for s in c.services))
         services = [pb.ServiceStatus(role=s.role, index=s.index, address=s.address, health=health, detail=detail,
-                                     weight_version=s.weight_version)
+                                     weight_version=s.weight_version, state=s.state, restarts=s.restarts)
                     for s, (health, detail) in zip(c.services, checks)]
         return pb.GetStatusResponse(global_step=c.global_step, total_steps=c.total_steps, episode=c.episode,
                                     phase=c.phase, state=c.state, services=services, run_dir=c.run_dir,
@@ -175,6 +181,23 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             final_step = c.global_step
         checkpoint_step = c.last_checkpoint_step if c.finished.is_set() and c.stop_checkpoint else 0
         return pb.StopResponse(state=c.state, final_step=final_step, checkpoint_step=checkpoint_step)
+
+
+    @handle_errors
+    async def Scale(self, request, context):
+        from services.coordinator.scaling import ScaleError
+
+        c = self.control
+        if c.scaler is None or c.finished.is_set():
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               "Scale: the run is not running yet (or has ended); call again once GetStatus "
+                               "reports RUNNING")
+        try:
+            addresses, added, removed = await c.scaler.scale(request.role, request.replicas,
+                                                             list(request.add_addresses), list(request.remove_addresses))
+        except ScaleError as exc:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"Scale: {exc}") from None
+        return pb.ScaleResponse(addresses=addresses, added=added, removed=removed)
 
 
 def _metrics_message(record: dict) -> pb.StreamMetricsResponse:

@@ -156,6 +156,13 @@ class MetricsLog:
             queue.put_nowait(record)
         return record
 
+    def rewind(self, step: int) -> None:
+        """Drops the records after `step` (the run went back to a checkpoint and redoes them)."""
+        self.history = [r for r in self.history if r["global_step"] <= step]
+        self._file.close()
+        self.path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in self.history))
+        self._file = open(self.path, "a", encoding="utf-8")
+
     def subscribe(self) -> asyncio.Queue:
         """A queue that receives every record logged from now on, then None when the run ends."""
         queue: asyncio.Queue = asyncio.Queue()

@@ -21,7 +21,7 @@ from services.common.client import make_channel, wait_for_serving
 from services.common.log import get_logger, log_event
 from services.common.security import client_credentials, launch_settings
 from services.coordinator.config import CoordinatorConfig
-from services.coordinator.launcher import ServiceProcess, spawn_service, stop_all, wait_until_ready
+from services.coordinator.launcher import ServiceProcess, log_tail, spawn_service, stop_all, wait_until_ready
 
 _log = get_logger("coordinator")
 REFERENCE_SERVICE = "rlmesh.reward.v1.ReferenceService"
@@ -222,6 +222,28 @@ def assign_local_gpus(cfg: CoordinatorConfig, specs: list[ServiceSpec]) -> None:
         spec.env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec.gpu_ids))
 
 
+def scaled_spec(cfg: CoordinatorConfig, role: str, taken: list[str]) -> ServiceSpec:
+    """The spec of one more instance of `role` (rollout or reward), named after the first free index.
+    A reward instance also serves the reference model where the run's first ones do (merged on CPU)."""
+    def free(prefix: str) -> str:
+        i = 0
+        while f"{prefix}-{i}" in taken:
+            i += 1
+        return f"{prefix}-{i}"
+
+    if role == "rollout":
+        return ServiceSpec(free("rollout"), "services.rollout", rollout_argv(cfg), ("rollout",),
+                           num_gpus=cfg.vllm_tensor_parallel_size if cfg.on_gpu else 0)
+    if role != "reward":
+        raise ValueError(f"role {role!r}: only rollout and reward instances scale; use rollout or reward")
+    merged = cfg.ref_needed and (not cfg.on_gpu or cfg.colocate_all_models)
+    if merged:
+        return ServiceSpec(free("reward-ref"), "services.reward", reward_argv(cfg, True, True), ("reward", "reference"),
+                           num_gpus=1 if cfg.on_gpu else 0)
+    return ServiceSpec(free("reward"), "services.reward", reward_argv(cfg, True, False), ("reward",),
+                       num_gpus=1 if cfg.on_gpu else 0)
+
+
 def endpoints_from(specs: list[ServiceSpec], addresses: list[str]) -> Endpoints:
     by_role = lambda role: [a for s, a in zip(specs, addresses) if role in s.roles]  # noqa: E731
     return Endpoints(rollout=by_role("rollout"), reward=by_role("reward"), reference=by_role("reference"),
@@ -240,14 +262,18 @@ class LocalPlacement:
     def __init__(self, cfg: CoordinatorConfig, run_dir: pathlib.Path, total_steps: int):
         self.cfg, self.run_dir, self.total_steps = cfg, run_dir, total_steps
         self.processes: list[ServiceProcess] = []
+        self.specs: list[ServiceSpec] = []  # in the order of `processes`
+
+    def _spawn(self, spec: ServiceSpec) -> ServiceProcess:
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1"} if not self.cfg.on_gpu else {}
+        return spawn_service(spec.name, spec.module, spec.argv, self.run_dir / "logs", "127.0.0.1",
+                             env={**env, **spec.env})
 
     async def start(self) -> Endpoints:
         specs = service_specs(self.cfg, self.total_steps)
-        log_dir = self.run_dir / "logs"
-        env = {"VLLM_CPU_KVCACHE_SPACE": "1"} if not self.cfg.on_gpu else {}
+        self.specs = list(specs)
         for spec in specs:
-            self.processes.append(spawn_service(spec.name, spec.module, spec.argv, log_dir, "127.0.0.1",
-                                                env={**env, **spec.env}))
+            self.processes.append(self._spawn(spec))
         # They load their models in parallel; the first that fails stops the wait.
         waits = [asyncio.ensure_future(wait_until_ready(p, self.cfg.service_start_timeout_s)) for p in self.processes]
         try:
@@ -261,6 +287,58 @@ class LocalPlacement:
 
     async def weight_sync_master(self, endpoints: Endpoints) -> tuple[str, int]:
         return "127.0.0.1", free_port()
+
+    # ---- supervision (services/coordinator/supervisor.py) ----
+    def instances(self) -> list[tuple[str, tuple[str, ...], str]]:
+        """(name, roles, address) of every service process."""
+        return [(s.name, s.roles, p.address) for s, p in zip(self.specs, self.processes)]
+
+    def _process(self, name: str) -> ServiceProcess:
+        return next(p for p in self.processes if p.name == name)
+
+    async def check(self, name: str) -> str | None:
+        """None while the process runs; else how it ended ("exit code -9")."""
+        code = self._process(name).process.poll()
+        return None if code is None else f"exit code {code}"
+
+    def log_tail(self, name: str) -> str:
+        process = self._process(name)
+        return f"last lines of {process.log_path}:\n{log_tail(process.log_path)}"
+
+    async def restart(self, name: str) -> str:
+        """Kills what is left of the instance (its whole process group), starts it again with the
+        same command line and returns its new address once it serves."""
+        i = next(k for k, p in enumerate(self.processes) if p.name == name)
+        await asyncio.to_thread(self.processes[i].stop, 5.0)
+        self.processes[i] = self._spawn(self.specs[i])
+        await wait_until_ready(self.processes[i], self.cfg.service_start_timeout_s)
+        return self.processes[i].address
+
+    # ---- scaling while running (services/coordinator/scaling.py) ----
+    async def add(self, role: str) -> tuple[str, tuple[str, ...], str]:
+        """Starts one more rollout or reward instance like the run's first ones; (name, roles, address)."""
+        spec = scaled_spec(self.cfg, role, [s.name for s in self.specs])
+        if self.cfg.on_gpu:
+            raise RuntimeError("scaling the local placement on GPUs is not supported (this machine's GPUs are "
+                               "assigned at start); use --placement ray, or start the run with more instances")
+        secure_local_specs(self.cfg, [spec])
+        process = self._spawn(spec)
+        try:
+            await wait_until_ready(process, self.cfg.service_start_timeout_s)
+        except BaseException:
+            await asyncio.to_thread(process.stop, 5.0)
+            raise
+        self.specs.append(spec)
+        self.processes.append(process)
+        return spec.name, spec.roles, process.address
+
+    async def remove(self, name: str) -> None:
+        """Stops the instance (SIGTERM: it drains what it still runs) and forgets it."""
+        i = next(k for k, p in enumerate(self.processes) if p.name == name)
+        process = self.processes.pop(i)
+        self.specs.pop(i)
+        code = await asyncio.to_thread(process.stop, 30.0)
+        log_event(_log, "service.stopped", service=name, pid=process.pid, code=code)
 
     async def stop(self) -> None:
         await asyncio.to_thread(stop_all, self.processes, 30.0)
@@ -315,6 +393,8 @@ class StaticPlacement:
 
     def __init__(self, cfg: CoordinatorConfig):
         self.cfg = cfg
+        self.reference: list[str] = []
+        self.named: list[tuple[str, tuple[str, ...], str]] = []  # instances(), fixed at the first call
 
     async def start(self) -> Endpoints:
         cfg = self.cfg
@@ -336,6 +416,7 @@ class StaticPlacement:
             if not reference:
                 raise RuntimeError("--init_kl_coef > 0 needs a reference service: give --ref_addresses, start a "
                                    "reward service with --ref_pretrain, or set --init_kl_coef 0")
+        self.reference = reference
         log_event(_log, "static.ready", rollout=",".join(cfg.rollout_addresses), learner=cfg.learner_address)
         return Endpoints(list(cfg.rollout_addresses), list(cfg.reward_addresses), reference, cfg.learner_address)
 
@@ -352,6 +433,65 @@ class StaticPlacement:
         # Elsewhere no free port can be picked from here: a fixed, documented one, which firewalls
         # and network policies can open (the learner's container or pod has its own ports).
         return host, DEFAULT_WEIGHT_SYNC_PORT
+
+    # ---- supervision: the deployment (compose, Kubernetes) restarts; this only waits ----
+    def instances(self) -> list[tuple[str, tuple[str, ...], str]]:
+        """(name, roles, address) of every instance; names stay with their address while scaling."""
+        if not self.named:
+            cfg = self.cfg
+            self.named += [(f"rollout-{i}", ("rollout",), a) for i, a in enumerate(cfg.rollout_addresses)]
+            reference = set(self.reference)
+            self.named += [(f"reward-{i}", ("reward", "reference") if a in reference else ("reward",), a)
+                           for i, a in enumerate(cfg.reward_addresses)]
+            self.named += [(f"ref-{i}", ("reference",), a) for i, a in enumerate(self.reference)
+                           if a not in cfg.reward_addresses]
+            self.named.append(("learner", ("learner",), cfg.learner_address))
+        return list(self.named)
+
+    async def check(self, name: str) -> str | None:
+        address = dict((n, a) for n, _, a in self.instances())[name]
+        # Twice, a second apart: one lost health check on a busy machine is not a death.
+        for attempt in range(2):
+            if await serves(address, "", timeout_s=5.0):
+                return None
+            if attempt == 0:
+                await asyncio.sleep(1.0)
+        return f"{address} stopped answering health checks"
+
+    def log_tail(self, name: str) -> str:
+        return "its log is wherever the deployment keeps it (kubectl logs, docker logs)"
+
+    async def restart(self, name: str) -> str:
+        address = dict((n, a) for n, _, a in self.instances())[name]
+        await wait_for_serving(address, self.cfg.service_start_timeout_s)
+        return address
+
+    async def add_address(self, role: str, address: str) -> tuple[str, tuple[str, ...], str]:
+        """An instance the deployment started: once it serves, it joins the run's instances."""
+        cfg = self.cfg
+        if role not in ("rollout", "reward"):
+            raise ValueError(f"role {role!r}: only rollout and reward instances scale; use rollout or reward")
+        listed = cfg.rollout_addresses if role == "rollout" else cfg.reward_addresses
+        if address in listed:
+            raise ValueError(f"{address} is already a {role} instance of this run")
+        await wait_for_serving(address, min(cfg.service_start_timeout_s, 60.0))
+        roles = (role,)
+        if role == "reward" and self.reference and await serves(address, REFERENCE_SERVICE):
+            roles = ("reward", "reference")
+            self.reference.append(address)
+        listed.append(address)
+        taken = {n for n, _, _ in self.instances()}
+        name = next(f"{role}-{i}" for i in range(len(taken) + 1) if f"{role}-{i}" not in taken)
+        self.named.append((name, roles, address))
+        return name, roles, address
+
+    async def remove(self, name: str) -> None:
+        """Forgets the instance (the deployment keeps it running)."""
+        address = dict((n, a) for n, _, a in self.instances())[name]
+        self.named = [entry for entry in self.named if entry[0] != name]
+        for listed in (self.cfg.rollout_addresses, self.cfg.reward_addresses, self.reference):
+            if address in listed:
+                listed.remove(address)
 
     async def stop(self) -> None:
         """Services started elsewhere keep running."""

@@ -33,7 +33,8 @@ from services.common.log import get_logger, log_event
 from services.common.security import client_credentials, credentials_from_env, launch_settings, set_client_credentials
 from services.coordinator.config import CoordinatorConfig
 from services.coordinator.launcher import ServiceStartError, log_tail, spawn_service, wait_until_ready
-from services.coordinator.placement import Endpoints, ServiceSpec, learner_argv, reward_argv, role_instances, rollout_argv
+from services.coordinator.placement import (Endpoints, ServiceSpec, learner_argv, reward_argv, role_instances,
+                                            rollout_argv, scaled_spec)
 
 _log = get_logger("coordinator")
 
@@ -68,6 +69,10 @@ class ServiceHost:
 
     def alive(self) -> bool:
         return self.service is not None and self.service.alive()
+
+    def exit_code(self) -> int | None:
+        """None while the child runs; its exit code once it ended."""
+        return None if self.service is None else self.service.process.poll()
 
     def tail(self) -> str:
         return log_tail(self.service.log_path) if self.service is not None else ""
@@ -222,13 +227,9 @@ class RayPlacement:
         gpu_of = await self._probe_gpus() if cfg.on_gpu else {}
         driver_ip = ray.util.get_node_ip_address()
         log_dir = str((self.run_dir / "logs").resolve())
-        host_cls = ray.remote(ServiceHost)
+        self._log_dir, self._driver_ip = log_dir, driver_ip
         for p in self.placed:
-            group, index = p.bundles[0]
-            p.actor = host_cls.options(
-                num_cpus=0 if cfg.on_gpu else cfg.ray_cpus_per_service, num_gpus=p.share,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
-            ).remote(p.spec.name, log_dir, driver_ip)
+            self._make_actor(p)
             if cfg.on_gpu:
                 located = [gpu_of[(id(g), i)] for g, i in p.bundles]
                 if len({node for node, _ in located}) > 1:
@@ -246,6 +247,105 @@ class RayPlacement:
         by_role = lambda role: [p.address for p in self.placed if role in p.spec.roles and p.address]  # noqa: E731
         return Endpoints(rollout=by_role("rollout"), reward=by_role("reward"), reference=by_role("reference"),
                          learner=self.learner_host.address)
+
+    def _make_actor(self, p: Placed) -> None:
+        group, index = p.bundles[0]
+        p.actor = ray.remote(ServiceHost).options(
+            num_cpus=0 if self.cfg.on_gpu else self.cfg.ray_cpus_per_service, num_gpus=p.share,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
+        ).remote(p.spec.name, self._log_dir, self._driver_ip)
+
+    # ---- supervision (services/coordinator/supervisor.py) ----
+    def instances(self) -> list[tuple[str, tuple[str, ...], str]]:
+        """(name, roles, address) of every service; a multi-rank learner is one instance (rank 0)."""
+        return [(p.spec.name, p.spec.roles, p.address) for p in self.placed if p.rank <= 0]
+
+    def _members(self, name: str) -> list[Placed]:
+        """The actors of an instance: every rank for the learner, else the one actor."""
+        if name == "learner":
+            return [p for p in self.placed if "learner" in p.spec.roles]
+        return [p for p in self.placed if p.spec.name == name]
+
+    async def check(self, name: str) -> str | None:
+        """None while the service (every rank of the learner) runs; else how it ended."""
+        for p in self._members(name):
+            try:
+                code = await p.actor.exit_code.remote()
+            except ray.exceptions.RayActorError as exc:
+                return f"its Ray actor died ({type(exc).__name__})"
+            if code is not None:
+                return f"{p.spec.name} exit code {code}"
+        return None
+
+    def log_tail(self, name: str) -> str:
+        try:
+            return ray.get(self._members(name)[0].actor.tail.remote(), timeout=10)
+        except Exception as exc:  # noqa: BLE001 - a dead actor's log stays in the run folder
+            return f"(log unavailable through Ray: {type(exc).__name__}; see {self._log_dir})"
+
+    async def restart(self, name: str) -> str:
+        """Stops what is left of the service, restarts any dead actor on its bundle and starts the
+        child again; returns the new address (a restarted learner restarts every rank)."""
+        members = self._members(name)
+        for p in members:
+            try:
+                await p.actor.stop.remote(5.0)
+            except ray.exceptions.RayActorError:
+                self._make_actor(p)
+        if name == "learner":
+            await self._start_learner()
+            return self.learner_host.address
+        await self._start_one(members[0], wait=True)
+        return members[0].address
+
+    # ---- scaling while running (services/coordinator/scaling.py) ----
+    async def add(self, role: str) -> tuple[str, tuple[str, ...], str]:
+        """One more rollout or reward instance on a placement group of its own; (name, roles, address)."""
+        cfg = self.cfg
+        spec = scaled_spec(cfg, role, [p.spec.name for p in self.placed])
+        gpus = (cfg.vllm_tensor_parallel_size if role == "rollout" else 1) if cfg.on_gpu else 0
+        bundles = ([{"GPU": 1, "CPU": cfg.ray_cpus_per_service} for _ in range(gpus)] if gpus
+                   else [{"CPU": cfg.ray_cpus_per_service}])
+        group = self._group(bundles)
+        try:
+            await asyncio.wait_for(group.ready(), cfg.service_start_timeout_s)
+        except asyncio.TimeoutError:
+            self.groups.remove(group)
+            remove_placement_group(group)
+            raise RuntimeError(f"the Ray cluster has no room for another {role} instance ({bundles}); it has "
+                               f"{ray.available_resources()} free") from None
+        p = Placed(spec, [(group, i) for i in range(len(bundles))], share=1.0 if gpus else 0.0)
+        self._make_actor(p)
+        if gpus:
+            gpu_of = await self._probe_gpus_of(p)
+            p.spec.env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_of)
+        else:
+            p.spec.env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
+        self.placed.append(p)
+        await self._start_one(p, wait=True)
+        return spec.name, spec.roles, p.address
+
+    async def _probe_gpus_of(self, p: Placed) -> list[str]:
+        @ray.remote(num_gpus=0.01, num_cpus=0)
+        def probe():
+            return str(ray.get_gpu_ids()[0])
+
+        return [await probe.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            g, placement_group_bundle_index=i)).remote() for g, i in p.bundles]
+
+    async def remove(self, name: str) -> None:
+        """Stops the instance's child, its actor and (when it had one of its own) its placement group."""
+        p = next(p for p in self.placed if p.spec.name == name)
+        try:
+            await asyncio.wait_for(p.actor.stop.remote(30.0), 60.0)
+        except (asyncio.TimeoutError, ray.exceptions.RayActorError):
+            pass
+        ray.kill(p.actor)
+        self.placed.remove(p)
+        group = p.bundles[0][0]
+        if not any(g is group for q in self.placed for g, _ in q.bundles):
+            self.groups.remove(group)
+            remove_placement_group(group)
 
     async def _start_one(self, p: Placed, wait: bool, env: dict | None = None) -> None:
         try:

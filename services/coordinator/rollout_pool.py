@@ -4,7 +4,12 @@ A batch of prompts is cut into chunks in a fixed way (so a chunk's seed, and wit
 do not depend on timing); each chunk becomes one streamed Generate call on the engine with the
 fewest samples still outstanding. Every sample is handed to `on_sample` the moment it arrives, so
 scoring and log-probs run while generation continues. When an engine fails (UNAVAILABLE), the
-prompts of its unfinished calls are generated again on the others.
+prompts of its unfinished calls are generated again on the others; with none left, the pool waits
+for the supervisor to bring one back (`wait_for_engine`, set by recovery.py) instead of failing.
+
+`healthy` engines are the admitted ones: they hold the current weights and get prompts. A restarted
+or added engine is `syncing` (serving, not yet holding the current weights) until a push verified
+on it admits it; a `draining` one gets no new prompts.
 """
 
 from __future__ import annotations
@@ -36,8 +41,11 @@ class Engine:
     stub: rollout_pb2_grpc.RolloutServiceStub
     channel: grpc.aio.Channel
     outstanding: int = 0  # samples requested and not yet received
-    healthy: bool = True
+    healthy: bool = True  # admitted: gets prompts and weight pushes
     weight_version: int = 0
+    tensor_parallel_size: int = 1  # workers in the weight group
+    syncing: bool = False  # serving again (restarted or added) and waiting for the current weights
+    draining: bool = False  # leaves once its in-flight samples are done
 
 
 async def gather_or_cancel(calls) -> list:
@@ -62,21 +70,55 @@ class RolloutPool:
     """The rollout engines of a run and the calls the loop makes on them."""
 
     def __init__(self, addresses: list[str], timeout_s: float, max_message_mb: int = 256):
-        self.timeout_s = timeout_s
-        self.engines = []
-        for i, address in enumerate(addresses):
-            channel = make_channel(address, ROLLOUT_SERVICE, idempotent_methods=IDEMPOTENT,
-                                   default_timeout_s=timeout_s, max_message_mb=max_message_mb)
-            self.engines.append(Engine(i, address, rollout_pb2_grpc.RolloutServiceStub(channel), channel))
+        self.timeout_s, self.max_message_mb = timeout_s, max_message_mb
+        self.engines = [self._connect(i, address) for i, address in enumerate(addresses)]
+        # Awaited when no engine is admitted; returns once one is (None: fail instead).
+        self.wait_for_engine: Callable[[], Awaitable[None]] | None = None
+        self.lost_samples = 0  # samples received from an engine that then failed, generated again
+
+    def _connect(self, index: int, address: str) -> Engine:
+        channel = make_channel(address, ROLLOUT_SERVICE, idempotent_methods=IDEMPOTENT,
+                               default_timeout_s=self.timeout_s, max_message_mb=self.max_message_mb)
+        return Engine(index, address, rollout_pb2_grpc.RolloutServiceStub(channel), channel)
+
+    def replace(self, index: int, address: str) -> Engine:
+        """A restarted engine at `index` (new address, new channel): syncing until a push admits it."""
+        position = next(k for k, e in enumerate(self.engines) if e.index == index)
+        old = self.engines[position]
+        engine = self._connect(index, address)
+        engine.healthy, engine.syncing = False, True
+        self.engines[position] = engine
+        asyncio.ensure_future(old.channel.close())
+        return engine
+
+    def add(self, address: str) -> Engine:
+        """A new engine: syncing until a push admits it."""
+        engine = self._connect(max((e.index for e in self.engines), default=-1) + 1, address)
+        engine.healthy, engine.syncing = False, True
+        self.engines.append(engine)
+        return engine
+
+    async def remove(self, engine: Engine) -> None:
+        self.engines.remove(engine)
+        await engine.channel.close()
+
+    def engine(self, index: int) -> Engine:
+        return next(e for e in self.engines if e.index == index)
+
+    def admitted(self) -> list[Engine]:
+        return [e for e in self.engines if e.healthy]
 
     async def close(self) -> None:
         await asyncio.gather(*(e.channel.close() for e in self.engines), return_exceptions=True)
 
-    def _least_loaded(self) -> Engine:
-        healthy = [e for e in self.engines if e.healthy]
-        if not healthy:
-            raise RuntimeError("every rollout engine failed; see the errors above and the services' logs")
-        return min(healthy, key=lambda e: (e.outstanding, e.index))
+    async def _least_loaded(self) -> Engine:
+        while True:
+            healthy = [e for e in self.engines if e.healthy and not e.draining]
+            if healthy:
+                return min(healthy, key=lambda e: (e.outstanding, e.index))
+            if self.wait_for_engine is None:
+                raise RuntimeError("every rollout engine failed; see the errors above and the services' logs")
+            await self.wait_for_engine()
 
     async def generate(self, prompts: list[Prompt], n: int, sampling: rollout_pb2.SamplingOptions,
                        expected_version: int, seed: int, step: int, round_index: int,
@@ -96,7 +138,7 @@ class RolloutPool:
 
         async def run_chunk(chunk_index: int, chunk: list[Prompt]) -> None:
             nonlocal failures
-            engine = self._least_loaded()
+            engine = await self._least_loaded()
             sampling_i = rollout_pb2.SamplingOptions()
             sampling_i.CopyFrom(sampling)
             sampling_i.seed = chunk_seed(seed, step, round_index, chunk_index)
@@ -125,9 +167,10 @@ class RolloutPool:
                 failures += 1
                 log_event(_log, "rollout.engine_failed", engine=engine.index, address=engine.address,
                           error=exc.details(), request_id=request.request_id)
-                if failures > 2 * len(self.engines):
+                if self.wait_for_engine is None and failures > 2 * len(self.engines):
                     raise RuntimeError(f"rollout engines keep failing (last: {engine.address}: {exc.details()})") from None
                 unfinished = [p for p in chunk if received[p.uid] < n]
+                self.lost_samples += sum(received[p.uid] for p in unfinished)
                 for p in unfinished:
                     if on_retry is not None:
                         on_retry(p)
@@ -138,13 +181,15 @@ class RolloutPool:
 
         await gather_or_cancel([run_chunk(i, chunk) for i, chunk in pending])
 
-    async def model_infos(self) -> list[rollout_pb2.GetModelInfoResponse]:
+    async def model_infos(self, engines: list[Engine] | None = None) -> list[rollout_pb2.GetModelInfoResponse]:
+        engines = self.admitted() if engines is None else engines
         return list(await asyncio.gather(*(e.stub.GetModelInfo(rollout_pb2.GetModelInfoRequest(), timeout=60.0)
-                                           for e in self.engines)))
+                                           for e in engines)))
 
     async def sleep(self, level: int = 1) -> None:
-        await asyncio.gather(*(e.stub.Sleep(rollout_pb2.SleepRequest(level=level), timeout=300.0) for e in self.engines))
+        await asyncio.gather(*(e.stub.Sleep(rollout_pb2.SleepRequest(level=level), timeout=300.0)
+                               for e in self.admitted()))
 
     async def wake_up(self, tags: tuple[str, ...] = ()) -> None:
         await asyncio.gather(*(e.stub.WakeUp(rollout_pb2.WakeUpRequest(tags=list(tags)), timeout=300.0)
-                               for e in self.engines))
+                               for e in self.admitted()))

@@ -41,6 +41,9 @@ from services.coordinator.metrics import MetricsLog
 from services.coordinator.placement import LocalPlacement, StaticPlacement
 from services.coordinator.security import public_config, secure_run
 from services.coordinator.run_config import total_steps_of
+from services.coordinator.recovery import Recovery
+from services.coordinator.scaling import Scaler
+from services.coordinator.supervisor import Supervisor
 from services.coordinator.trainer import Trainer, new_state
 
 _log = get_logger("coordinator")
@@ -137,7 +140,7 @@ async def run(config: CoordinatorConfig) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal, signum)
 
-    trainer = None
+    trainer = supervisor = None
     code = 0
     log_event(_log, "run.start", run_dir=str(run_dir), placement=config.placement, steps=total_steps,
               prompts=len(stream), eval_prompts=len(eval_prompts), control=f"{config.host}:{runner.port}",
@@ -150,6 +153,11 @@ async def run(config: CoordinatorConfig) -> int:
         await trainer.setup(resume=config.load_checkpoint)
         trainer.metrics = MetricsLog(run_dir, config, resumed_step=trainer.state.global_step)
         control.attach_metrics(trainer.metrics)
+        # From here on a service that dies is restarted (supervisor) and the step repaired (recovery).
+        supervisor = Supervisor(placement, config.max_restarts, config.restart_backoff_s, config.health_poll_s,
+                                run_dir)
+        control.scaler = Scaler(Recovery(trainer, supervisor), placement.name)
+        supervisor.start()
         await trainer.run()
         control.finish()
         log_event(_log, "run.done", step=control.global_step, run_dir=str(run_dir))
@@ -162,6 +170,10 @@ async def run(config: CoordinatorConfig) -> int:
         _log.exception("the run failed")
         code = 1
     finally:
+        if control.scaler is not None:
+            await control.scaler.close()
+        if supervisor is not None:
+            await supervisor.stop()  # before the services stop, or it would restart them
         if trainer is not None:
             await trainer.close()
         await asyncio.shield(placement.stop())

@@ -105,6 +105,11 @@ class Trainer:
         self._sleep_supported = cfg.vllm_enable_sleep
         self.learner_offloaded = False  # learner states in host memory (--deepspeed_enable_sleep)
         self._rpc_seconds: dict[str, float] = {}
+        # Supervision hooks (services/coordinator/recovery.py; None = a failure ends the run).
+        self.recovery = None
+        self.group_engines: list = []  # the engines of the current weight-transfer group
+        self.trained_step = 0  # the last step whose TrainActor succeeded (a redo would train twice)
+        self.lost_samples = 0  # samples of the last failed step attempt
 
     async def close(self) -> None:
         closers = [self.pool.close(), self.learner_channel.close()]
@@ -129,6 +134,7 @@ class Trainer:
         self.weights_dtype = infos[0].weights_dtype or common_pb2.DTYPE_FLOAT32
         for engine, info in zip(self.pool.engines, infos):
             engine.weight_version = info.weight_version
+            engine.tensor_parallel_size = max(1, info.tensor_parallel_size)
         if resume:
             await self._load_checkpoint()
         self.control.services = self._service_entries()
@@ -194,15 +200,18 @@ class Trainer:
             return "gloo"
         return "ipc" if cfg.colocate_all_models else "nccl"
 
-    async def _init_weight_transfer(self) -> None:
+    async def _init_weight_transfer(self, engines: list | None = None) -> None:
+        """A new weight group of the learner and `engines` (default: the admitted ones)."""
+        engines = self.pool.admitted() if engines is None else engines
+        self.group_engines = list(engines)
         backend = self._sync_backend()
-        world_size = 1 + sum(self.engine_tp)
+        world_size = 1 + sum(e.tensor_parallel_size for e in engines)
         group = f"rlmesh-weights-{_step_seed(self.config.seed, int(time.time()), 'group')}"
         if backend == "ipc":
             await asyncio.gather(
                 self.learner.InitWeightTransfer(learner_pb2.InitWeightTransferRequest(backend=BACKENDS[backend]), timeout=120.0),
                 *(e.stub.InitWeightTransfer(rollout_pb2.InitWeightTransferRequest(backend=BACKENDS[backend]), timeout=120.0)
-                  for e in self.pool.engines))
+                  for e in engines))
             return
         host, port = self.weight_sync_master or (self.learner_info.rank0_host, 0)
         if not port:
@@ -212,7 +221,8 @@ class Trainer:
             backend=BACKENDS[backend], master_address=host, master_port=port, world_size=world_size,
             group_name=group, timeout_s=300.0), timeout=360.0)]
         offset = 1
-        for engine, tp in zip(self.pool.engines, self.engine_tp):
+        for engine in engines:
+            tp = engine.tensor_parallel_size
             calls.append(engine.stub.InitWeightTransfer(rollout_pb2.InitWeightTransferRequest(
                 backend=BACKENDS[backend], master_address=host, master_port=port, world_size=world_size,
                 rank_offset=offset, group_name=group, timeout_s=300.0), timeout=360.0))
@@ -223,11 +233,13 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     # Weight push
 
-    async def push_weights(self) -> dict:
-        """Pushes the actor's weights to every engine and verifies version and checksum on each."""
+    async def push_weights(self, engines: list | None = None, version: int = 0) -> dict:
+        """Pushes the actor's weights to `engines` (default: the admitted ones; they must be the
+        weight group's) and verifies version and checksum on each. version 0 = a new one."""
         t0 = time.monotonic()
-        version = max([self.state.weight_version, self.learner_info.weight_version if self.learner_info else 0]
-                      + [e.weight_version for e in self.pool.engines]) + 1
+        engines = self.pool.admitted() if engines is None else engines
+        version = version or max([self.state.weight_version, self.learner_info.weight_version if self.learner_info
+                                  else 0] + [e.weight_version for e in self.pool.engines]) + 1
         if "weights" in self.asleep:
             # Only the weights: the KV cache stays freed until the next generation (colocation).
             await self.pool.wake_up(("weights",))
@@ -251,7 +263,7 @@ class Trainer:
                 if message.HasField("chunk"):
                     update = message.chunk.update
                     replies = await gather_or_cancel([e.stub.UpdateWeights(update, timeout=self.config.rpc_timeout_s)
-                                                       for e in self.pool.engines])
+                                                       for e in engines])
                     await requests.put(learner_pb2.PushWeightsRequest(
                         ack=learner_pb2.PushWeightsAck(chunk_index=update.chunk_index)))
                 else:
@@ -272,12 +284,12 @@ class Trainer:
             await requests.put(None)
         if done is None:
             raise WeightSyncError("PushWeights ended without a 'done' message")
-        for engine, reply in zip(self.pool.engines, replies):
+        for engine, reply in zip(engines, replies):
             if reply.weight_version != version or reply.weights_checksum != done.weights_checksum:
                 raise WeightSyncError(f"rollout {engine.index} ({engine.address}) answered version "
                                       f"{reply.weight_version} checksum {reply.weights_checksum!r} to a push of version "
                                       f"{version} checksum {done.weights_checksum!r}")
-        await self.verify_weights(version, done.weights_checksum)
+        await self.verify_weights(version, done.weights_checksum, engines)
         self.state.weight_version = version
         self.control.weight_version = version
         prom.WEIGHT_VERSION.set(version)
@@ -287,10 +299,11 @@ class Trainer:
         return {"weights/version": version, "weights/push_s": time.monotonic() - t0, "weights/bytes": done.bytes,
                 "weights/learner_push_s": done.duration_s}
 
-    async def verify_weights(self, version: int, checksum: str) -> None:
+    async def verify_weights(self, version: int, checksum: str, engines: list | None = None) -> None:
         """GetModelInfo on every engine: the pushed version and checksum, and ready to generate."""
-        infos = await self.pool.model_infos()
-        for engine, info in zip(self.pool.engines, infos):
+        engines = self.pool.admitted() if engines is None else engines
+        infos = await self.pool.model_infos(engines)
+        for engine, info in zip(engines, infos):
             if (info.weight_version != version or info.weights_checksum != checksum
                     or info.weights_state != rollout_pb2.WEIGHTS_STATE_READY):
                 raise WeightSyncError(
@@ -420,6 +433,8 @@ class Trainer:
             # ---- generate (scoring and log-probs run alongside) ----
             self.control.set_phase(cpb.PHASE_GENERATING)
             t0 = time.monotonic()
+            if self.recovery is not None:
+                await self.recovery.before_step()  # restarted engines get the current weights first
             if self.asleep:
                 await self.pool.wake_up(tuple(sorted(self.asleep)))
                 self.asleep.clear()
@@ -436,6 +451,7 @@ class Trainer:
             await collector.finish()
             times["score"] = time.monotonic() - t0
         except BaseException:
+            self.lost_samples = len(collector.all_samples())
             await collector.cancel()
             raise
         finally:
@@ -449,11 +465,13 @@ class Trainer:
         self.control.set_phase(cpb.PHASE_TRAINING)
         t0 = time.monotonic()
         train_metrics = await self._train(step, batch) if batch["count"] else {}
+        self.trained_step = step
         times["train"] = time.monotonic() - t0
         # ---- push ----
         self.control.set_phase(cpb.PHASE_PUSHING_WEIGHTS)
         t0 = time.monotonic()
-        push_metrics = await self.push_weights() if batch["count"] else {}
+        push = self.push_weights if self.recovery is None else self.recovery.push_weights
+        push_metrics = await push() if batch["count"] else {}
         times["push"] = time.monotonic() - t0
         # ---- bookkeeping ----
         self.state.global_step = step
@@ -677,14 +695,21 @@ class Trainer:
             await c.wait_while_paused()
             if c.stop_requested or (cfg.max_steps and step >= cfg.max_steps):
                 break
-            metrics = await self.train_step(step + 1)
-            if metrics is None:
-                break
+            try:
+                metrics = await self.train_step(step + 1)
+                if metrics is None:
+                    break
+                saving = ((cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0)
+                          or (c.stop_requested and c.stop_checkpoint))
+                if saving and not cfg.disable_ds_ckpt:
+                    metrics.update(await self.save_checkpoint(step + 1))
+            except Exception as exc:  # noqa: BLE001 - a dead service: recovery restarts it or re-raises
+                if self.recovery is None:
+                    raise
+                step = await self.recovery.recover(exc, step)
+                continue
             step += 1
             c.global_step, c.episode = step, self.state.episode
-            saving = (cfg.save_steps > 0 and step % cfg.save_steps == 0) or (c.stop_requested and c.stop_checkpoint)
-            if saving and not cfg.disable_ds_ckpt:
-                metrics.update(await self.save_checkpoint(step))
             # The learner sleeps until the next step's log-probs (after any checkpoint).
             await self._offload_learner()
             last = bool(c.total_steps and step >= c.total_steps) or bool(cfg.max_steps and step >= cfg.max_steps)

@@ -55,20 +55,24 @@ SERVICE_HEALTH_NOT_SERVING: ServiceHealth
 SERVICE_HEALTH_UNREACHABLE: ServiceHealth
 
 class ServiceStatus(_message.Message):
-    __slots__ = ("role", "index", "address", "health", "weight_version", "detail")
+    __slots__ = ("role", "index", "address", "health", "weight_version", "detail", "state", "restarts")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
     role: str
     index: int
     address: str
     health: ServiceHealth
     weight_version: int
     detail: str
-    def __init__(self, role: _Optional[str] = ..., index: _Optional[int] = ..., address: _Optional[str] = ..., health: _Optional[_Union[ServiceHealth, str]] = ..., weight_version: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+    state: str
+    restarts: int
+    def __init__(self, role: _Optional[str] = ..., index: _Optional[int] = ..., address: _Optional[str] = ..., health: _Optional[_Union[ServiceHealth, str]] = ..., weight_version: _Optional[int] = ..., detail: _Optional[str] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()
@@ -164,3 +168,25 @@ class StopResponse(_message.Message):
     final_step: int
     checkpoint_step: int
     def __init__(self, state: _Optional[_Union[RunState, str]] = ..., final_step: _Optional[int] = ..., checkpoint_step: _Optional[int] = ...) -> None: ...
+
+class ScaleRequest(_message.Message):
+    __slots__ = ("role", "replicas", "add_addresses", "remove_addresses")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    ADD_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    replicas: int
+    add_addresses: _containers.RepeatedScalarFieldContainer[str]
+    remove_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, role: _Optional[str] = ..., replicas: _Optional[int] = ..., add_addresses: _Optional[_Iterable[str]] = ..., remove_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ScaleResponse(_message.Message):
+    __slots__ = ("addresses", "added", "removed")
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    added: _containers.RepeatedScalarFieldContainer[str]
+    removed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, addresses: _Optional[_Iterable[str]] = ..., added: _Optional[_Iterable[str]] = ..., removed: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -60,6 +60,11 @@ class CoordinatorServiceStub:
                 request_serializer=rlmesh_dot_coordinator_dot_v1_dot_coordinator__pb2.StopRequest.SerializeToString,
                 response_deserializer=rlmesh_dot_coordinator_dot_v1_dot_coordinator__pb2.StopResponse.FromString,
                 _registered_method=True)
+        self.Scale = channel.unary_unary(
+                '/rlmesh.coordinator.v1.CoordinatorService/Scale',
+                request_serializer=rlmesh_dot_coordinator_dot_v1_dot_coordinator__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=rlmesh_dot_coordinator_dot_v1_dot_coordinator__pb2.ScaleResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServiceServicer:
@@ -109,6 +114,20 @@ class CoordinatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Scale(self, request, context):
+        """Adds or removes rollout or reward instances while the run goes on. Local and Ray placement
+        start or stop service processes to reach `replicas`; static placement adds the instances at
+        `add_addresses` (started by the deployment) and drains those at `remove_addresses`. A new
+        rollout engine receives the current weights (pushed, version and checksum verified) before its
+        first prompt, at the next step start; a removed instance gets no new work and leaves once its
+        in-flight work is done. Answers once new instances serve and removals have begun.
+        Deadline: a service's start time (--service_start_timeout_s). Retry: safe with `replicas`
+        (a target count); with addresses only for those not yet added or removed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -136,6 +155,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.Stop,
                     request_deserializer=rlmesh_dot_coordinator_dot_v1_dot_coordinator__pb2.StopRequest.FromString,
                     response_serializer=rlmesh_dot_coordinator_dot_v1_dot_coordinator__pb2.StopResponse.SerializeToString,
+            ),
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=rlmesh_dot_coordinator_dot_v1_dot_coordinator__pb2.ScaleRequest.FromString,
+                    response_serializer=rlmesh_dot_coordinator_dot_v1_dot_coordinator__pb2.ScaleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -274,6 +298,33 @@ class CoordinatorService:
             '/rlmesh.coordinator.v1.CoordinatorService/Stop',
             rlmesh_dot_coordinator_dot_v1_dot_coordinator__pb2.StopRequest.SerializeToString,
             rlmesh_dot_coordinator_dot_v1_dot_coordinator__pb2.StopResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlmesh.coordinator.v1.CoordinatorService/Scale',
+            rlmesh_dot_coordinator_dot_v1_dot_coordinator__pb2.ScaleRequest.SerializeToString,
+            rlmesh_dot_coordinator_dot_v1_dot_coordinator__pb2.ScaleResponse.FromString,
             options,
             channel_credentials,
             insecure,

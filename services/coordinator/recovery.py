@@ -1,0 +1,281 @@
+"""What a service's death and restart mean for the training loop (the supervisor keeps them alive).
+
+    rollout engine dies   during Generate: its unfinished prompts go to the other engines (rollout_pool);
+                          with none left, generation waits here until the restarted one is admitted.
+                          during a weight push: the push is redone on a new weight group of the engines
+                          that are left (and any restarted one); the step is not trained twice.
+                          at any other time (asleep, idle): nothing waits for it.
+                          A restarted engine is admitted (gets prompts) only after the current weights
+                          were pushed to it and its version and checksum verified, at the next step
+                          start or push, or at once when generation has no engine.
+    reward / reference    in-flight calls fail; the step's generation and scoring are redone from the
+                          same prompts and seeds after the restart (nothing was trained yet), so every
+                          sample is scored once in the step's result.
+    learner (any rank)    restarted, it loads the newest complete checkpoint; the coordinator rewinds to
+                          that checkpoint's coordinator.json (step, data position, KL coefficient; every
+                          seed derives from --seed and the step) and redoes the steps since; the engines
+                          get the checkpoint's weights as a new version. With fixed seeds the run ends
+                          with the model of a run without the crash.
+
+Every weight group is rebuilt from scratch (InitWeightTransfer on the learner and every admitted
+engine) whenever its membership changes: a gloo/NCCL group cannot lose or gain a member in place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from rlmesh.learner.v1 import learner_pb2, learner_pb2_grpc
+from rlmesh.rollout.v1 import rollout_pb2
+from services.common.client import make_channel
+from services.coordinator import checkpoint
+from services.coordinator.control import ServiceEntry
+from services.coordinator.supervisor import RECOVERED_SAMPLES, REDONE_STEPS, SERVING, Instance, Supervisor
+
+# How long a failed call waits for the supervisor to see the death that caused it: a killed
+# process is usually gone before its connection resets, but a busy machine can lag.
+DEATH_GRACE_S = 3.0
+
+
+class Recovery:
+    """Binds a Trainer to a Supervisor: swaps clients on restarts and repairs the step."""
+
+    def __init__(self, trainer, supervisor: Supervisor):
+        self.t, self.sup = trainer, supervisor
+        self.config = trainer.config
+        trainer.recovery = self
+        trainer.pool.wait_for_engine = self.wait_for_engine
+        supervisor.on_restarted.append(self._on_restarted)
+        supervisor.on_died.append(self._on_died)
+        self.rollout_index = {i.name: k for k, i in enumerate(supervisor.by_role("rollout"))}
+        self.reward_index = {i.name: k for k, i in enumerate(supervisor.by_role("reward"))}
+        self.reference_index = {i.name: k for k, i in enumerate(supervisor.by_role("reference"))}
+        self.learner_restarted = False
+        self._sync_lock = asyncio.Lock()
+        trainer.control.refresh_services = self.refresh_status
+
+    def refresh_status(self) -> None:
+        """The control API's service list, with the supervisor's state and restarts of each."""
+        t, sup = self.t, self.sup
+        entries = []
+        for role, index in (("rollout", self.rollout_index), ("reward", self.reward_index),
+                            ("reference", self.reference_index)):
+            for name, i in sorted(index.items(), key=lambda item: item[1]):
+                instance = sup.instances.get(name)
+                if instance is None:
+                    continue
+                version = t.pool.engine(i).weight_version if role == "rollout" else 0
+                entries.append(ServiceEntry(role, i, instance.address, version, instance.state, instance.restarts))
+        learner = sup.instances.get("learner")
+        if learner is not None:
+            entries.append(ServiceEntry("learner", 0, learner.address, 0, learner.state, learner.restarts))
+        t.control.services = entries
+
+    # ---- deaths: no new work for the dead ----
+    def _on_died(self, instance: Instance) -> None:
+        t = self.t
+        if instance.name in self.rollout_index:
+            t.pool.engine(self.rollout_index[instance.name]).healthy = False
+        # The scoring pools move the instance's in-flight calls at once instead of waiting for them to fail.
+        if instance.name in self.reward_index:
+            t.rewards.mark_dead(self.reward_index[instance.name], f"{instance.name} died ({instance.last_death})")
+        if instance.name in self.reference_index:
+            t.references.mark_dead(self.reference_index[instance.name], f"{instance.name} died ({instance.last_death})")
+
+    # ---- restarts: new addresses ----
+    async def _on_restarted(self, instance: Instance) -> None:
+        t, cfg = self.t, self.config
+        if instance.name in self.rollout_index:
+            t.pool.replace(self.rollout_index[instance.name], instance.address)
+        # Calls waiting in the scoring pools move to the new address (their request ids unchanged).
+        if instance.name in self.reward_index:
+            i = self.reward_index[instance.name]
+            t.rewards.replace(i, instance.address)
+            t.endpoints.reward[i] = instance.address
+        if instance.name in self.reference_index:
+            i = self.reference_index[instance.name]
+            t.references.replace(i, instance.address)
+            t.endpoints.reference[i] = instance.address
+        if "learner" in instance.roles:
+            from services.coordinator.trainer import LEARNER_IDEMPOTENT, LEARNER_SERVICE
+
+            old = t.learner_channel
+            t.learner_channel = make_channel(instance.address, LEARNER_SERVICE, idempotent_methods=LEARNER_IDEMPOTENT,
+                                             default_timeout_s=cfg.rpc_timeout_s, max_message_mb=cfg.max_message_mb)
+            t.learner = learner_pb2_grpc.LearnerServiceStub(t.learner_channel)
+            t.endpoints.learner = instance.address
+            asyncio.ensure_future(old.close())
+            self.learner_restarted = True
+        self.refresh_status()
+
+    def _instance_of(self, engine) -> Instance:
+        name = next(n for n, k in self.rollout_index.items() if k == engine.index)
+        return self.sup.instances[name]
+
+    async def _dead_now(self) -> list[Instance]:
+        """The instances that are down, after giving the supervisor DEATH_GRACE_S to notice one."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DEATH_GRACE_S
+        while True:
+            down = await self.sup.check_all()
+            if down or loop.time() > deadline:
+                break
+            await asyncio.sleep(0.25)
+        for instance in down:
+            if instance.name in self.rollout_index:
+                self.t.pool.engine(self.rollout_index[instance.name]).healthy = False
+        return down
+
+    # ---- admitting engines: a new weight group and the current weights ----
+    def _members(self) -> list:
+        """Engines for the next weight group: admitted ones, and restarted ones that wait to be."""
+        return [e for e in self.t.pool.engines if (e.healthy or e.syncing) and not e.draining]
+
+    async def _sync(self, version: int | None) -> dict:
+        """Rebuilds the weight group over _members() and pushes to all of them: `version` again
+        (None = a new version; 0 = nothing pushed yet, so a fresh engine already holds it)."""
+        t = self.t
+        async with self._sync_lock:
+            members = self._members()
+            waiting = [e for e in members if e.syncing]
+            if waiting:
+                infos = await t.pool.model_infos(waiting)
+                for engine, info in zip(waiting, infos):
+                    engine.tensor_parallel_size = max(1, info.tensor_parallel_size)
+            # A new rendezvous port: the learner's store of the old group may still hold the old one.
+            t.weight_sync_master = await self.sup.placement.weight_sync_master(t.endpoints)
+            t.group_engines = []  # stale until the new group is complete
+            await t._init_weight_transfer(members)
+            metrics = {}
+            if version is None or version > 0:
+                metrics = await t.push_weights(members, version or 0)
+            else:
+                infos = await t.pool.model_infos(waiting)
+                for engine, info in zip(waiting, infos):
+                    if info.weight_version != 0 or info.weights_state != rollout_pb2.WEIGHTS_STATE_READY:
+                        raise RuntimeError(f"restarted rollout {engine.index} ({engine.address}) holds version "
+                                           f"{info.weight_version}, not the initial weights the run still uses")
+            for engine in waiting:
+                engine.syncing, engine.healthy = False, True
+                instance = self._instance_of(engine)
+                instance.state, instance.weight_version = SERVING, t.state.weight_version
+                self.sup.event("rollout.admitted", service=instance.name, address=engine.address,
+                               version=t.state.weight_version)
+            return metrics
+
+    def _group_stale(self) -> bool:
+        return [id(e) for e in self._members()] != [id(e) for e in self.t.group_engines]
+
+    async def before_step(self) -> None:
+        """At a step's start: fail if a service gave up; admit restarted engines; with no engine
+        admitted, wait for one."""
+        self.sup.raise_if_failed()
+        if not self.t.pool.admitted():
+            await self.wait_for_engine()
+        elif any(e.syncing for e in self._members()):
+            await self._sync(self.t.state.weight_version)
+
+    async def wait_for_engine(self) -> None:
+        """No engine is admitted (generation would stop): wait for a restart and admit it with the
+        weights the step generates with."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.service_start_timeout_s + 60.0
+        while not self.t.pool.admitted():
+            self.sup.raise_if_failed()
+            if any(e.syncing for e in self._members()):
+                await self._sync(self.t.state.weight_version)
+                continue
+            if loop.time() > deadline:
+                raise RuntimeError("no rollout engine came back within --service_start_timeout_s")
+            await self.sup.check_all()
+            await asyncio.sleep(0.25)
+
+    async def push_weights(self) -> dict:
+        """The step's push, redone on a new group when an engine dies during it (the learner keeps
+        the trained weights, so nothing is trained twice). A dead learner is re-raised: the run
+        rewinds to its checkpoint."""
+        failures = 0
+        while True:
+            self.sup.raise_if_failed()
+            try:
+                if self._group_stale():
+                    return await self._sync(None)
+                return await self.t.push_weights(self._members())
+            except Exception as exc:
+                down = await self._dead_now()
+                failures += 1
+                # Bounded: each retry follows a death, and deaths are bounded by --max_restarts.
+                limit = len(self.t.pool.engines) * (self.config.max_restarts + 1) + 1
+                if not down or any("learner" in i.roles for i in down) or self.learner_restarted or failures > limit:
+                    raise
+                self.sup.event("weights.push_failed", error=f"{type(exc).__name__}: {str(exc)[:300]}",
+                               services=",".join(i.name for i in down), action="push again on a new weight group")
+                self.t.group_engines = []  # a failed push breaks the group on every member
+                if not self._members():
+                    await self.wait_for_engine_serving()
+
+    async def wait_for_engine_serving(self) -> None:
+        """Until some engine is admitted or restarted (syncing)."""
+        while not self._members():
+            self.sup.raise_if_failed()
+            await self.sup.check_all()
+            await asyncio.sleep(0.25)
+
+    # ---- a failed step ----
+    async def recover(self, exc: Exception, step: int) -> int:
+        """After step `step + 1` failed: restarts what died and returns the step to continue from
+        (`step`, or the checkpoint's step after a learner restart). Re-raises failures no restart
+        explains, and those after training when the learner lives (a redo would train twice)."""
+        t, cfg = self.t, self.config
+        down = await self._dead_now()
+        learner = self.learner_restarted or any("learner" in i.roles for i in down)
+        if not down and not learner:
+            raise exc
+        if not learner and t.trained_step == step + 1:
+            raise exc
+        self.sup.event("step.failed", step=step + 1, services=",".join(i.name for i in down) or "learner",
+                       error=f"{type(exc).__name__}: {str(exc)[:300]}")
+        await self.sup.wait_back(cfg.service_start_timeout_s + 120.0)
+        RECOVERED_SAMPLES.inc(t.lost_samples)
+        if learner:
+            return await self._rewind(step)
+        # Nothing of the step was kept: its prompts are taken again from the same position.
+        t.stream.restore(t.state.episode, t.state.data_position)
+        self.sup.event("step.retried", step=step + 1, lost_samples=t.lost_samples)
+        return step
+
+    async def _rewind(self, step: int) -> int:
+        """The restarted learner loads the newest complete checkpoint; the loop goes back to it."""
+        from services.coordinator.trainer import new_state
+
+        t, cfg, c = self.t, self.config, self.t.control
+        self.learner_restarted = False
+        t.learner_offloaded = False
+        t.learner_info = await t.learner.GetInfo(learner_pb2.GetInfoRequest(), timeout=60.0)
+        saved = None if cfg.disable_ds_ckpt else checkpoint.load_latest(cfg.ckpt_path)
+        version = t.state.weight_version
+        if saved is not None:
+            await t.learner.LoadCheckpoint(learner_pb2.LoadCheckpointRequest(
+                ckpt_path=cfg.ckpt_path, global_step=saved.global_step), timeout=cfg.rpc_timeout_s)
+            saved.run_dir = t.state.run_dir
+            t.state = saved
+        else:
+            t.state = new_state(cfg, t.state.run_dir)  # a fresh learner holds --pretrain: step 0
+        t.state.weight_version = max(t.state.weight_version, version)  # versions only grow
+        t.stream.restore(t.state.episode, t.state.data_position)
+        t.trained_step = t.state.global_step
+        redone = step - t.state.global_step
+        REDONE_STEPS.inc(redone)
+        if t.metrics is not None:
+            t.metrics.rewind(t.state.global_step)
+        c.global_step, c.episode = t.state.global_step, t.state.episode
+        c.last_checkpoint_step = t.state.global_step if saved is not None else 0
+        # Engines get the checkpoint's weights as a new version (a restarted engine joins here too).
+        if not self._members():
+            await self.wait_for_engine_serving()
+        await self._sync(None)
+        self.sup.event("learner.rewound", from_step=step, to_step=t.state.global_step, redone_steps=redone,
+                       checkpoint=saved.global_step if saved is not None else "none (pretrained weights)",
+                       version=t.state.weight_version)
+        return t.state.global_step
+

@@ -1,0 +1,198 @@
+"""Supervision of a run's service instances: notice a death, restart through the placement, keep a budget.
+
+One `Instance` per service process (rollout-0, rollout-1, reward-ref-0, learner, ...) with its
+address, state, weight version and restarts so far. A watch task asks the placement every
+--health_poll_s whether each instance still runs (local: the process has not exited; Ray: the
+actor and its child are alive; static: the address answers grpc.health.v1). A death is restarted
+through the same placement (local: the process is started again with the same command line; Ray:
+the child, or a dead actor, is started again on its bundle; static: the deployment restarts it and
+the supervisor waits for the address to serve again), after a back-off of --restart_backoff_s
+doubled per earlier restart. Past --max_restarts restarts of one instance the run stops with an
+error naming the instance, how it ended and the last lines of its log.
+
+What a restart means for the loop (weights, rewinding to a checkpoint) is recovery.py's business:
+this module only keeps the instances alive and tells its listeners when one is back.
+
+    states:  serving --(death)--> dead --(back-off, restart)--> starting --> syncing (rollout) --> serving
+                                                                         \\-> serving (others)
+             draining: gets no new work and leaves once its in-flight work is done (scale down)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import pathlib
+import time
+from collections.abc import Awaitable, Callable
+
+import prometheus_client
+
+from services.common.log import get_logger, log_event
+
+_log = get_logger("coordinator")
+
+STARTING, SERVING, SYNCING, DRAINING, DEAD = "starting", "serving", "syncing", "draining", "dead"
+MAX_BACKOFF_S = 60.0
+
+RESTARTS = prometheus_client.Counter("rlmesh_coordinator_service_restarts_total",
+                                     "Restarts of a service instance after it died", ["service"])
+DEATHS = prometheus_client.Counter("rlmesh_coordinator_service_deaths_total",
+                                   "Deaths of a service instance noticed by the supervisor", ["service"])
+RESTART_SECONDS = prometheus_client.Histogram("rlmesh_coordinator_service_restart_duration_seconds",
+                                              "From a death noticed to the instance serving again (back-off included)",
+                                              ["service"], buckets=(1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200))
+REDONE_STEPS = prometheus_client.Counter("rlmesh_coordinator_redone_steps_total",
+                                         "Completed steps done again after the learner was rewound to a checkpoint")
+RECOVERED_SAMPLES = prometheus_client.Counter(
+    "rlmesh_coordinator_recovered_samples_total",
+    "Samples lost with a failed service and generated again (prompts moved to another engine, or a step redone)")
+
+
+class ServiceFailed(RuntimeError):
+    """An instance died more often than --max_restarts allows (or could not be started again)."""
+
+
+@dataclasses.dataclass
+class Instance:
+    """One service process of the run, as the supervisor sees it."""
+
+    name: str  # e.g. "rollout-0", "reward-ref-0", "learner"
+    roles: tuple[str, ...]  # rollout, reward, reference, learner
+    address: str
+    state: str = SERVING
+    weight_version: int = 0  # rollout engines: the version verified on it
+    restarts: int = 0
+    last_death: str = ""  # how it ended last time ("exit code -9")
+    died_at: float = 0.0  # time.monotonic() of the last death noticed
+
+
+class Supervisor:
+    """Watches every instance of a placement and restarts the ones that die."""
+
+    def __init__(self, placement, max_restarts: int, backoff_s: float, poll_s: float, run_dir: pathlib.Path):
+        self.placement = placement
+        self.max_restarts, self.backoff_s, self.poll_s = max_restarts, backoff_s, poll_s
+        self.instances = {name: Instance(name, roles, address) for name, roles, address in placement.instances()}
+        self.events_path = pathlib.Path(run_dir) / "events.jsonl"
+        self.fatal: ServiceFailed | None = None
+        # Called with the instance once it serves again (recovery.py swaps clients and syncs weights).
+        self.on_restarted: list[Callable[[Instance], Awaitable[None]]] = []
+        self.on_died: list[Callable[[Instance], None]] = []  # called at once when a death is noticed
+        self._changed = asyncio.Condition()
+        self._restarts: dict[str, asyncio.Task] = {}
+        self._watch: asyncio.Task | None = None
+
+    # ---- life cycle ----
+    def start(self) -> None:
+        self._watch = asyncio.ensure_future(self._watch_loop())
+
+    async def stop(self) -> None:
+        tasks = [t for t in [self._watch, *self._restarts.values()] if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def event(self, kind: str, **fields) -> None:
+        """One line in {run_dir}/events.jsonl and in the coordinator's log."""
+        record = {"event": kind, "unix_time": time.time(), **fields}
+        with open(self.events_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record, sort_keys=True, default=str) + "\n")
+        log_event(_log, kind, level=30 if kind in ("service.died", "service.failed") else 20, **fields)
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    # ---- noticing deaths ----
+    async def _watch_loop(self) -> None:
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self.poll_s)
+
+    async def check_all(self) -> list[Instance]:
+        """Asks the placement about every live instance now; returns those not serving afterwards."""
+        live = [i for i in self.instances.values() if i.state in (SERVING, SYNCING, DRAINING)]
+        results = await asyncio.gather(*(self.placement.check(i.name) for i in live), return_exceptions=True)
+        for instance, how in zip(live, results):
+            if isinstance(how, BaseException):
+                how = f"its placement could not be asked ({type(how).__name__}: {how})"
+            if how and instance.state != DEAD:
+                self._died(instance, how)
+        return self.not_serving()
+
+    def not_serving(self) -> list[Instance]:
+        return [i for i in self.instances.values() if i.state in (DEAD, STARTING)]
+
+    def _died(self, instance: Instance, how: str) -> None:
+        instance.state, instance.last_death, instance.died_at = DEAD, how, time.monotonic()
+        DEATHS.labels(instance.name).inc()
+        self.event("service.died", service=instance.name, address=instance.address, how=how,
+                   restarts=instance.restarts, max_restarts=self.max_restarts)
+        for listener in self.on_died:
+            listener(instance)
+        if instance.name not in self._restarts or self._restarts[instance.name].done():
+            self._restarts[instance.name] = asyncio.ensure_future(self._restart(instance))
+
+    # ---- restarting ----
+    def _give_up(self, instance: Instance, why: str) -> None:
+        tail = self.placement.log_tail(instance.name)
+        self.fatal = ServiceFailed(f"{instance.name} ({', '.join(instance.roles)}) {why}; the run stops. Fix the cause "
+                                   f"and rerun with --load_checkpoint, or raise --max_restarts. {tail}")
+        self.event("service.failed", service=instance.name, how=instance.last_death, restarts=instance.restarts,
+                   why=why)
+
+    async def _restart(self, instance: Instance) -> None:
+        while True:
+            if instance.restarts >= self.max_restarts:
+                self._give_up(instance, f"died ({instance.last_death}) after {instance.restarts} restart(s) of "
+                                        f"--max_restarts {self.max_restarts}")
+                break
+            delay = min(self.backoff_s * 2 ** instance.restarts, MAX_BACKOFF_S)
+            await asyncio.sleep(delay)
+            instance.state = STARTING
+            instance.restarts += 1
+            RESTARTS.labels(instance.name).inc()
+            t0 = time.monotonic()
+            try:
+                address = await self.placement.restart(instance.name)
+            except Exception as exc:  # noqa: BLE001 - a failed start uses a restart of the budget, then retries
+                instance.last_death = f"restart failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+                instance.state = DEAD
+                self.event("service.restart_failed", service=instance.name, error=str(exc).splitlines()[0],
+                           restarts=instance.restarts)
+                continue
+            instance.address = address
+            instance.state = SYNCING if "rollout" in instance.roles else SERVING
+            seconds = time.monotonic() - instance.died_at
+            RESTART_SECONDS.labels(instance.name).observe(seconds)
+            self.event("service.restarted", service=instance.name, address=address, restarts=instance.restarts,
+                       start_s=round(time.monotonic() - t0, 2), since_death_s=round(seconds, 2), backoff_s=delay)
+            for listener in self.on_restarted:
+                await listener(instance)
+            break
+        await self._notify()
+
+    async def wait_back(self, timeout_s: float) -> None:
+        """Returns once no instance is dead or starting; raises ServiceFailed when one gave up."""
+        deadline = time.monotonic() + timeout_s
+        async with self._changed:
+            while self.fatal is None and self.not_serving():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    names = ", ".join(i.name for i in self.not_serving())
+                    raise ServiceFailed(f"{names} did not serve again within {timeout_s:.0f} s "
+                                        "(--service_start_timeout_s)")
+                try:
+                    await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
+                except asyncio.TimeoutError:
+                    pass
+        self.raise_if_failed()
+
+    def raise_if_failed(self) -> None:
+        if self.fatal is not None:
+            raise self.fatal
+
+    def by_role(self, role: str) -> list[Instance]:
+        return [i for i in self.instances.values() if role in i.roles]

@@ -1,0 +1,74 @@
+"""Seeded kill trials on real processes (local placement, tiny model, `kill -9`, never a mock).
+
+1. A run without faults, then the same run with a rollout engine killed during generation (step 1),
+   the reward + reference service killed during generation (step 2) and the learner killed during
+   training (step 3): every service is restarted, the steps are the same, every step generated,
+   scored and trained on the same samples with the same results, and the final model equals the
+   fault-free one (the learner went back to its step-2 checkpoint: one step redone, no more).
+2. One engine only, killed during the weight push: the push waits for the restart and the run ends
+   with every step.
+3. --max_restarts 0: the first death stops the run with an error naming the service, its exit code
+   and its log.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from tests.chaos.harness import Kill, differences, grpo_argv, model_difference, run_trial
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model_dir, tiny_data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("chaos-baseline")
+    trial = run_trial(grpo_argv(tiny_model_dir, tiny_data_dir, out, 2, STEPS), out, timeout_s=600)
+    assert trial.returncode == 0, trial.log[-6000:]
+    assert trial.steps == list(range(1, STEPS + 1))
+    return trial, out
+
+
+def test_rollout_reward_and_learner_deaths_change_nothing(baseline, tiny_model_dir, tiny_data_dir, tmp_path):
+    base, base_out = baseline
+    kills = [Kill("rollout-0", "generate", 1), Kill("reward-ref-0", "generate", 2, delay_s=0.2),
+             Kill("learner", "train", 3)]
+    trial = run_trial(grpo_argv(tiny_model_dir, tiny_data_dir, tmp_path, 2, STEPS), tmp_path, kills, timeout_s=900)
+    assert trial.returncode == 0, trial.log[-8000:]
+    assert len(trial.killed_at_s) == 3, trial.log[-4000:]
+    restarted = sorted(e["service"] for e in trial.events if e["event"] == "service.restarted")
+    assert restarted == ["learner", "reward-ref-0", "rollout-0"], trial.events
+    assert trial.count("rollout.admitted") >= 1
+    # The learner died during step 3 with --save_steps 1: back to the step-2 checkpoint, nothing redone
+    # beyond the step that was under way.
+    rewinds = [e for e in trial.events if e["event"] == "learner.rewound"]
+    assert [(e["from_step"], e["to_step"]) for e in rewinds] == [(2, 2)], rewinds
+    assert differences(base, trial) == []
+    assert model_difference(base_out / "model", tmp_path / "model") < 1e-6
+    metrics = (tmp_path / "run" / "events.jsonl").read_text()
+    assert "service.died" in metrics
+
+
+def test_single_engine_waits_for_its_restart_during_the_push(tiny_model_dir, tiny_data_dir, tmp_path):
+    trial = run_trial(grpo_argv(tiny_model_dir, tiny_data_dir, tmp_path, 1, 2), tmp_path,
+                      [Kill("rollout-0", "push", 1)], timeout_s=600)
+    assert trial.returncode == 0, trial.log[-8000:]
+    assert trial.steps == [1, 2]
+    assert all(r["samples/generated"] == 32 and r["samples/trained"] == 32 for r in trial.records)
+    assert trial.count("service.restarted") == 1 and trial.count("rollout.admitted") == 1
+    assert trial.count("weights.push_failed") >= 1
+    # Step 1's push went to the restarted engine (the step was not trained again): versions 1, 2.
+    assert [r["weights/version"] for r in trial.records] == [1, 2]
+
+
+def test_restart_budget_stops_the_run_with_the_services_log(tiny_model_dir, tiny_data_dir, tmp_path):
+    argv = grpo_argv(tiny_model_dir, tiny_data_dir, tmp_path, 1, 2) + ["--max_restarts", "0"]
+    trial = run_trial(argv, tmp_path, [Kill("rollout-0", "generate", 1)], timeout_s=600)
+    assert trial.returncode == 1
+    failed = next(line for line in trial.log.splitlines() if "run.failed" in line)
+    assert "rollout-0" in failed and "exit code -9" in failed and "--max_restarts 0" in failed, failed
+    assert "last lines of" in trial.log and "rollout-0.log" in trial.log
+    assert trial.count("service.failed") == 1
+    assert not pathlib.Path(tmp_path / "model").exists()
