@@ -65,9 +65,24 @@ def build_parser(cls, description: str = "", parser: argparse.ArgumentParser | N
     return parser
 
 
+def unsupported(cls, names) -> str:
+    """The message for options in `names` that cls lists in its UNSUPPORTED_FLAGS (options users
+    bring from OpenRLHF that rlmesh does not have: each says what to use instead); "" if none."""
+    table = getattr(cls, "UNSUPPORTED_FLAGS", {})
+    fields = {f.name for f in dataclasses.fields(cls)}
+    return "; ".join(f"--{name}: {table[name]}" for name in names if name in table and name not in fields)
+
+
+def _option_names(argv) -> list[str]:
+    return [arg[2:].split("=", 1)[0] for arg in argv if isinstance(arg, str) and arg.startswith("--")]
+
+
 def from_mapping(cls, values: dict, source: str):
     """Builds cls from a dict (e.g. YAML), rejecting unknown keys with their source."""
     names = {f.name for f in dataclasses.fields(cls)}
+    message = unsupported(cls, sorted(values))
+    if message:
+        raise ConfigError(f"{source}: {message}")
     unknown = sorted(set(values) - names)
     if unknown:
         raise ConfigError(f"{source}: unknown option(s) {unknown}; valid options are listed by --help")
@@ -77,6 +92,9 @@ def from_mapping(cls, values: dict, source: str):
 def parse_config(cls, argv=None, description: str = ""):
     """Parses argv (default sys.argv[1:]) into a validated `cls` instance; exits on errors."""
     parser = build_parser(cls, description)
+    message = unsupported(cls, _option_names(sys.argv[1:] if argv is None else argv))
+    if message:
+        parser.exit(2, f"config error: {message}\n")
     args = parser.parse_args(argv)
     try:
         return config_from_args(cls, args)

@@ -89,6 +89,8 @@ class ScoringPool:
         self.probe_interval_s = probe_interval_s
         self.instances = [Instance(role, i, a, make_client(a)) for i, a in enumerate(addresses)]
         self.retries = 0  # calls moved to another instance, over the pool's life
+        # Where events go besides the log; the supervisor sets its own (a line in the run's events.jsonl).
+        self.on_event: Callable[..., None] | None = None
         self._change = asyncio.Event()
         self._closing: set[asyncio.Task] = set()
 
@@ -106,7 +108,7 @@ class ScoringPool:
                 moves += 1
                 self.retries += 1
                 prom.RPC_RETRIES.labels(self.role).inc()
-                log_event(_log, "scoring.retry", service=self.role, instance=instance.name, address=instance.address,
+                self._event("scoring.retry", service=self.role, instance=instance.name, address=instance.address,
                           attempt=moves, error=str(lost))
                 if moves > self.max_retries:
                     raise ScoringError(f"{instance.describe()} failed a call ({lost}); it was sent {moves} times "
@@ -131,7 +133,7 @@ class ScoringPool:
                                    f"(--scoring_wait_s): {self._describe_all()}; check the services' logs, or that "
                                    "the supervisor can restart them (--max_restarts)")
             if not waiting_logged:
-                log_event(_log, "scoring.waiting", service=self.role, wait_s=f"{left:.0f}", instances=self._describe_all())
+                self._event("scoring.waiting", service=self.role, wait_s=f"{left:.0f}", instances=self._describe_all())
                 waiting_logged = True
             change = self._change
             try:
@@ -162,6 +164,12 @@ class ScoringPool:
 
     # ---- instance states ------------------------------------------------------------------------
 
+    def _event(self, kind: str, **fields) -> None:
+        if self.on_event is not None:
+            self.on_event(kind, **fields)  # also logs
+        else:
+            log_event(_log, kind, **fields)
+
     def _changed(self) -> None:
         change, self._change = self._change, asyncio.Event()
         change.set()
@@ -190,14 +198,14 @@ class ScoringPool:
         instance.probe = None
         instance.state, instance.last_error = SERVING, ""
         instance.lost = asyncio.Event()
-        log_event(_log, "scoring.instance_serving", service=self.role, instance=instance.name, address=instance.address)
+        self._event("scoring.instance_serving", service=self.role, instance=instance.name, address=instance.address)
         self._changed()
 
     def _mark_down(self, instance: Instance, reason: str) -> None:
         if instance.state != SERVING:
             return
         self._stop_serving(instance, DOWN, reason)
-        log_event(_log, "scoring.instance_down", service=self.role, instance=instance.name, address=instance.address,
+        self._event("scoring.instance_down", service=self.role, instance=instance.name, address=instance.address,
                   error=reason)
         instance.probe = asyncio.ensure_future(self._probe(instance))
         self._changed()
@@ -221,7 +229,7 @@ class ScoringPool:
         """The instance is dead (the supervisor saw it go): its calls move elsewhere; no probing."""
         instance = self._find(index)
         self._stop_serving(instance, DEAD, reason)
-        log_event(_log, "scoring.instance_dead", service=self.role, instance=instance.name, address=instance.address,
+        self._event("scoring.instance_dead", service=self.role, instance=instance.name, address=instance.address,
                   reason=reason)
         self._changed()
 
@@ -242,7 +250,7 @@ class ScoringPool:
         """A new serving instance; returns its index."""
         index = max((i.index for i in self.instances), default=-1) + 1
         self.instances.append(Instance(self.role, index, address, self.make_client(address)))
-        log_event(_log, "scoring.instance_added", service=self.role, instance=f"{self.role}-{index}", address=address)
+        self._event("scoring.instance_added", service=self.role, instance=f"{self.role}-{index}", address=address)
         self._changed()
         return index
 
@@ -260,7 +268,7 @@ class ScoringPool:
             await change.wait()
         self.instances.remove(instance)
         await instance.client.close()
-        log_event(_log, "scoring.instance_removed", service=self.role, instance=instance.name, address=address)
+        self._event("scoring.instance_removed", service=self.role, instance=instance.name, address=address)
 
     def _describe_all(self) -> str:
         return "; ".join(f"{i.name} at {i.address} is {i.state}" + (f" ({i.last_error})" if i.last_error else "")

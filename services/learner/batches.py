@@ -79,7 +79,9 @@ def decode_sequences(input_ids_msg, response_start_msg, vocab_size: int, max_len
             raise invalid_argument(f"{prefix}input_ids", f"sample {i}",
                                    f"token id {int(ids[pos])} at position {pos} is outside the vocabulary "
                                    f"[0, {vocab_size})", "tokenize with the actor's tokenizer")
-        samples.append(Sample(ids.to(torch.int64), int(start), {}))
+        # copy=True: a row of the request is a view of the whole request's tensor, and pickling a view
+        # (to send a rank its share) would send that whole tensor once per sample.
+        samples.append(Sample(ids.to(torch.int64, copy=True), int(start), {}))
     return samples
 
 
@@ -106,11 +108,11 @@ def attach_field(samples: list[Sample], msg, name: str, prefix: str = "batch.") 
             if not v.any():
                 raise invalid_argument(field, f"sample {i}", "the mask is all zeros: nothing to train on",
                                        "drop the sample, or mark its action tokens with 1")
-            sample.fields[name] = v.to(torch.bool)
+            sample.fields[name] = v.to(torch.bool)  # a copy, not a view (see decode_sequences)
             continue
         if not v.is_floating_point():
             raise invalid_argument(field, f"sample {i}", f"dtype {v.dtype} is not a float type", "send FLOAT32")
-        v = v.to(torch.float32)
+        v = v.to(torch.float32, copy=True)  # not a view of the request (see decode_sequences)
         finite = torch.isfinite(v)
         if not finite.all():
             pos = int((~finite).nonzero()[0, 0])

@@ -48,6 +48,7 @@ class LearnerConfig(ServerConfig, DeepSpeedOptions):
 
     def validate(self) -> None:
         self.validate_server()
+        self.apply_deepspeed_file()  # before the checks that read the ZeRO stage
         if not self.pretrain:
             raise ConfigError("--pretrain is required: the folder of the actor's Hugging Face model")
         for name in ("pretrain", "critic_pretrain"):

@@ -27,6 +27,7 @@ from typing import Literal
 import torch
 
 from services.common.config import ConfigError, opt
+from services.common.deepspeed_file import apply_flags, check_batches, merge, read_deepspeed_file
 
 # DeepSpeed picks its accelerator when it is first imported; on a machine without CUDA it must be
 # the CPU one (gloo collectives, torch Adam).
@@ -80,8 +81,18 @@ class DeepSpeedOptions:
     packing_samples: bool = opt(False, "training: concatenate each micro-batch's samples into one row without "
                                 "padding (attention kept within each sample)")
     seed: int = opt(42, "seed of model initialisation where weights are new (e.g. the critic's value head)")
+    deepspeed: str = opt("", "a DeepSpeed config file (JSON or YAML, or an Accelerate config with a deepspeed_config "
+                         "section): its ZeRO stage, optimizer offload, bf16, gradient clipping, Adam betas and weight "
+                         "decay replace these flags' values; its other settings are laid over rlmesh's DeepSpeed "
+                         "config; 'auto' values keep rlmesh's; batch sizes must match the flags")
+
+    def apply_deepspeed_file(self) -> None:
+        """--deepspeed FILE: the settings it decides replace the flags' values (idempotent)."""
+        if self.deepspeed:
+            apply_flags(self, read_deepspeed_file(self.deepspeed))
 
     def validate_deepspeed(self, world_size: int | None = None) -> None:
+        self.apply_deepspeed_file()
         if self.micro_train_batch_size < 1:
             raise ConfigError(f"--micro_train_batch_size {self.micro_train_batch_size} must be >= 1")
         if self.train_batch_size < 1:
@@ -104,6 +115,9 @@ class DeepSpeedOptions:
                               "or use --lr_scheduler constant_with_warmup")
         if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
             raise ConfigError(f"--adam_betas {self.adam_betas} must be two numbers in [0, 1)")
+        if self.deepspeed:
+            check_batches(read_deepspeed_file(self.deepspeed), self.train_batch_size, self.micro_train_batch_size,
+                          self.gradient_accumulation_steps(world_size) if world_size else None)
         if self.attn_implementation == "flash_attention_2" and not torch.cuda.is_available():
             raise ConfigError("--attn_implementation flash_attention_2 needs a CUDA GPU; use sdpa or varlen")
         if self.use_liger_kernel:
@@ -179,7 +193,7 @@ def deepspeed_config(options: DeepSpeedOptions, world_size: int) -> dict:
     }
     if options.adam_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    return {
+    config = {
         "train_batch_size": options.train_batch_size,
         "train_micro_batch_size_per_gpu": options.micro_train_batch_size,
         "gradient_accumulation_steps": options.gradient_accumulation_steps(world_size),
@@ -194,6 +208,10 @@ def deepspeed_config(options: DeepSpeedOptions, world_size: int) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if options.deepspeed:
+        # The user's own settings (bucket sizes, stage-3 tuning, parameter offload, ...) win.
+        config = merge(config, read_deepspeed_file(options.deepspeed).extra)
+    return config
 
 
 # ----------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from services.learner.deepspeed_setup import (
     trainable_parameters,
 )
 from services.learner.logprob_head import forward_micro_batch
-from services.learner.spmd import RankSpec, join_process_group
+from services.learner.spmd import CANCEL, RankSpec, join_process_group
 from services.learner.weight_push import Chunk, WeightSender
 
 log = get_logger("learner")
@@ -130,8 +130,10 @@ class LearnerRank:
 
     @staticmethod
     def _forward_passes(micro_batches: list[list[Sample]], passes: int):
-        """Yields (samples, is_filler) for `passes` forward passes over this rank's micro-batches."""
+        """Yields (samples, is_filler) for `passes` forward passes over this rank's micro-batches;
+        stops between passes when the caller has gone (spmd.CancelPoint)."""
         for p in range(passes):
+            CANCEL.check(p, passes, "forward pass")
             yield (micro_batches[p], False) if p < len(micro_batches) else ([_FILLER], True)
 
     @torch.no_grad()
@@ -191,7 +193,10 @@ class LearnerRank:
         world = self.spec.world_size
         timing = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
         results = []
-        for step in steps:
+        for index, step in enumerate(steps):
+            # Between optimizer steps the engine holds no partial gradients: a caller that has gone
+            # (spmd.CancelPoint) leaves the model with the steps done so far.
+            CANCEL.check(index, len(steps), "optimizer step")
             gas = len(step.micro_batches)
             skipped_before = engine.skipped_steps
             lr = current_lr(engine)  # the rate this step applies (the scheduler moves after it)
@@ -333,7 +338,7 @@ class LearnerRank:
         claimed, see services.learner.ownership): each file is written in full beside it and renamed
         into place; files of the previous export that this one does not write are removed; other
         files are never touched, and one this export would overwrite stops it."""
-        engine = self.actor
+        engine = self.critic if payload.get("critic") else self.actor
         if self.config.zero_stage == 3:
             state = engine._zero3_consolidated_16bit_state_dict()  # collective; the dict on rank 0 only
         else:

@@ -103,6 +103,7 @@ class OfflineConfig(DeepSpeedOptions):
     max_steps: int = opt(0, "optimizer steps of the run: data rows // train_batch_size x max_epochs", derived=True)
 
     def validate(self) -> None:
+        self.apply_deepspeed_file()
         if not self.pretrain or not Path(self.pretrain).is_dir():
             raise ConfigError(f"--pretrain {self.pretrain!r}: give a local model folder (Hugging Face format); "
                               f"`rlmesh make-tiny-model DIR` builds a small one")
@@ -387,7 +388,8 @@ class OfflineTrainer:
         engine = build_engine(model, config, ds_config, config.learning_rate)
         del keepalive
         self.prepare(ds_config, engine.device)
-        log_event(_log, f"{self.name}_start", rank=rank, world_size=world, train_rows=len(train_rows),
+        log_event(_log, f"{self.name}_start", rank=rank, world_size=world, zero_stage=config.zero_stage,
+                  bf16=config.bf16, train_rows=len(train_rows),
                   eval_rows=len(eval_rows) * world, steps=config.max_steps,
                   grad_accumulation=config.gradient_accumulation_steps(world))
 

@@ -80,6 +80,8 @@ class _CallTimer:
         CALL_SECONDS.labels(self.method).observe(self.elapsed)
         if exc is not None:
             code = exc.code.name if isinstance(exc, ServiceError) else "INTERNAL"
+            if isinstance(exc, asyncio.CancelledError):
+                code = "CANCELLED"  # the caller went away (deadline or cancel); the ranks were stopped
             ERRORS.labels(self.method, code).inc()
             log_event(log, "call.failed", method=self.method, code=code, error=str(exc)[:300], level=30)
         return False
@@ -120,6 +122,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         self.runner = runner
         self.world = driver.world_size
         self.weight_backend = ""
+        # A cancelled call whose ranks do not stop within the grace: health says so until they do.
+        driver.on_wedged = lambda wedged: runner.set_serving(not wedged)
         # Calls that change or read out the weights as a whole never interleave with a push.
         self._weights_lock = asyncio.Lock()
 
@@ -474,7 +478,9 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                 dtype = weights.PROTO_TO_WIRE_DTYPE.get(request.dtype)
                 if dtype is None:
                     raise invalid_argument("dtype", None, "must be BFLOAT16, FLOAT16 or FLOAT32", "or leave it unset")
-            payload = {"output_dir": request.output_dir, "dtype": dtype}
+            if request.critic:
+                self._require_critic("ExportHF")
+            payload = {"output_dir": request.output_dir, "dtype": dtype, "critic": request.critic}
             async with self._weights_lock:
                 ownership.claim_dir(request.output_dir, "output_dir", "export")  # before any rank writes
                 results = await self._run("export_hf", [payload] * self.world)

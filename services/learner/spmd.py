@@ -22,6 +22,13 @@ to a vanished engine): those are raised where no other rank waits, so once every
 finished the call fails with that status and the learner serves on. Every rank also bumps a heartbeat counter
 in the store; a rank whose counter stops moving is declared dead, and a worker whose store
 connection breaks (rank 0 gone) exits, so no rank outlives the service or hangs it.
+
+Work nobody waits for stops. When the caller of a command goes away (its deadline passed, it
+cancelled), rank 0 asks the ranks to stop at a unit boundary (an optimizer step of TrainActor /
+TrainCritic, a forward pass of LogProbs / Values; see CancelPoint): every rank stops before the
+same unit, so they stay in step and the learner serves the next call at once. The driver holds
+the command lock until the ranks have stopped; if they do not within cancel_grace_s (one unit
+running longer than that), the learner reports NOT_SERVING in health until they do.
 """
 
 from __future__ import annotations
@@ -51,6 +58,53 @@ log = get_logger("learner")
 
 HEARTBEAT_INTERVAL_S = 1.0
 SHUTDOWN = "shutdown"
+
+
+class CommandCancelled(ServiceError):
+    """Raised on every rank at the same unit when the caller of the command has gone."""
+
+    def __init__(self, unit: int, total: int, what: str):
+        super().__init__(grpc.StatusCode.CANCELLED, f"stopped before {what} {unit + 1} of {total}: the caller "
+                         "cancelled or its deadline passed")
+
+
+class CancelPoint:
+    """Where a running command may stop: the same unit on every rank.
+
+    Rank 0, once asked (`requested`, set from its event loop), picks stop_at = its current unit + 1
+    and writes it to the store. Units are separated by collectives (gradient reduction, ZeRO-3's
+    parameter gathers), so no other rank can have started unit stop_at before rank 0 wrote it, and
+    every rank reads it before starting that unit. (Without collectives, as in ZeRO-1/2 forward
+    passes, the ranks need not agree and each just stops where it sees it.)
+    """
+
+    def __init__(self):
+        self.store: dist.TCPStore | None = None
+        self.seq = 0
+        self.rank = 0
+        self.requested = threading.Event()
+        self.stop_at: int | None = None
+
+    def begin(self, store: dist.TCPStore | None, seq: int, rank: int) -> None:
+        self.store, self.seq, self.rank, self.stop_at = store, seq, rank, None
+        self.requested.clear()
+
+    def check(self, unit: int, total: int, what: str) -> None:
+        """Call before starting unit `unit` (0-based) of `total`; raises CommandCancelled to stop."""
+        key = f"stop/{self.seq}"
+        if self.stop_at is None:
+            if self.rank == 0 and self.requested.is_set():
+                self.stop_at = unit + 1 if self.store is not None else unit
+                if self.store is not None:
+                    self.store.set(key, str(self.stop_at))
+            elif self.rank != 0 and self.store is not None and self.store.check([key]):
+                self.stop_at = int(self.store.get(key))
+        if self.stop_at is not None and unit >= self.stop_at:
+            raise CommandCancelled(unit, total, what)
+
+
+# One per process: each rank runs one command at a time.
+CANCEL = CancelPoint()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,6 +298,7 @@ def serve_worker(spec: RankSpec, store: dist.TCPStore, setup: Callable[[], tuple
                 group, execute = setup()
                 result = None
             else:
+                CANCEL.begin(store, seq, spec.rank)
                 result = execute(name, payload)
             data = pickle.dumps(result)
             store.set(f"status/{seq}/{spec.rank}", pickle.dumps(("ok", len(data))))
@@ -274,12 +329,18 @@ class RankGroupDriver:
     """Runs commands on every rank from rank 0 (see the module docstring)."""
 
     def __init__(self, spec: RankSpec, store: dist.TCPStore, procs: list[subprocess.Popen],
-                 startup_timeout_s: float, heartbeat_timeout_s: float):
+                 startup_timeout_s: float, heartbeat_timeout_s: float, cancel_grace_s: float = 30.0):
         self.spec = spec
         self.store = store
         self.procs = procs
         self.startup_timeout_s = startup_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.cancel_grace_s = cancel_grace_s
+        # Called with True when a cancelled command's ranks have not stopped within cancel_grace_s,
+        # and with False once they have (the servicer sets health NOT_SERVING / SERVING).
+        self.on_wedged: Callable[[bool], None] = lambda wedged: None
+        # Rank 0's compute thread writes the stop unit on a connection of its own.
+        self._cancel_store = None
         # One persistent thread runs rank 0's share of every command (CUDA's current device is per
         # thread); another moves control-plane bytes so the event loop never blocks.
         self.compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rank0-compute")
@@ -322,14 +383,49 @@ class RankGroupDriver:
                 raise self.broken
             self.seq += 1
             seq = self.seq
-            loop = asyncio.get_running_loop()
+            if self.world_size > 1 and self._cancel_store is None:
+                self._cancel_store = dist.TCPStore(self.spec.master_addr, self.spec.master_port, self.world_size,
+                                                   is_master=False, timeout=datetime.timedelta(seconds=30))
+            CANCEL.begin(self._cancel_store, seq, 0)
+            # shield: when the caller goes, the ranks are told to stop and awaited (still holding the
+            # lock), so the next command never starts while they run this one.
+            command = asyncio.ensure_future(self._run_command(seq, name, payloads, timeout_s))
             try:
-                await loop.run_in_executor(self.io, self._send_commands, seq, name, payloads)
-            except Exception as exc:  # noqa: BLE001 - a rank that cannot be reached is lost
-                raise self._fail(RankFailure(-1, type(exc).__name__, f"sending {name} to the ranks failed: {exc}",
-                                             ""), fatal=True) from exc
-            own = loop.run_in_executor(self.compute, _capture(lambda: self.execute(name, payloads[0]), 0))
-            return await self._collect(seq, own, name, timeout_s=timeout_s)
+                return await asyncio.shield(command)
+            except asyncio.CancelledError:
+                if command.done():
+                    raise
+                await self._stop_command(command, name, seq)
+                raise
+
+    async def _run_command(self, seq: int, name: str, payloads: list, timeout_s: float | None) -> list:
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self.io, self._send_commands, seq, name, payloads)
+        except Exception as exc:  # noqa: BLE001 - a rank that cannot be reached is lost
+            raise self._fail(RankFailure(-1, type(exc).__name__, f"sending {name} to the ranks failed: {exc}",
+                                         ""), fatal=True) from exc
+        own = loop.run_in_executor(self.compute, _capture(lambda: self.execute(name, payloads[0]), 0))
+        return await self._collect(seq, own, name, timeout_s=timeout_s)
+
+    async def _stop_command(self, command: asyncio.Future, name: str, seq: int) -> None:
+        """Asks the ranks to stop `command` (its caller has gone) and waits until they have."""
+        started = time.monotonic()
+        CANCEL.requested.set()
+        log_event(log, "command.cancel_requested", command=name, seq=seq)
+        done, _ = await asyncio.wait({command}, timeout=self.cancel_grace_s)
+        if not done:
+            log_event(log, "command.wedged", command=name, seq=seq, grace_s=self.cancel_grace_s, level=40,
+                      action="health NOT_SERVING until the ranks stop")
+            self.on_wedged(True)
+            await asyncio.wait({command})
+            self.on_wedged(False)
+        error = command.exception()
+        stopped = isinstance(error, GroupError) and error.failure.code == "CANCELLED"
+        log_event(log, "command.cancelled", command=name, seq=seq, seconds=f"{time.monotonic() - started:.2f}",
+                  outcome="stopped" if stopped else (f"failed: {error}" if error else "finished"))
+        if self._cancel_store is not None:
+            self._cancel_store.delete_key(f"stop/{seq}")
 
     def _send_commands(self, seq: int, name: str, payloads: list) -> None:
         for rank in range(1, self.world_size):

@@ -63,9 +63,11 @@ def test_killed_instance_batches_move_to_the_other_and_each_sample_is_scored_onc
     services = [reward_service(tmp_path, http_server) for _ in range(2)]
     http_stats(http_server, reset=True)
     metric_before = retries_metric()
+    events = []
 
     async def run():
         pool = make_pool([s.address for s in services])
+        pool.on_event = lambda kind, **fields: events.append((kind, fields))
         try:
             batches = [batch(k, "mode:slow:3") for k in range(8)]
             tasks = [asyncio.ensure_future(pool.call(lambda c, b=b, k=k: c.score(b, request_id=f"run/step1/mb{k}")))
@@ -90,6 +92,9 @@ def test_killed_instance_batches_move_to_the_other_and_each_sample_is_scored_onc
     assert retries == 4
     assert retries_metric() - metric_before == 4
     assert http_stats(http_server)["slow"] == 12
+    # The supervisor's event sink (events.jsonl) hears of the death and of each retry.
+    assert [k for k, _ in events].count("scoring.retry") == 4
+    assert ("scoring.instance_down", "reward-0") in [(k, f["instance"]) for k, f in events]
 
 
 def test_single_instance_restarted_at_its_address_finishes_the_call(tmp_path, http_server):

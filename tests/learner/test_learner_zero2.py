@@ -274,3 +274,12 @@ def test_gspo_trains_on_openrlhf_aggregation(learner, plain_model):
     assert r.kl_loss == pytest.approx(sum(g * n for g, n in zip(gaps, lengths)) / tokens, abs=1e-4)
     # The token mean of the same policy term is a different number.
     assert abs(-sum(a * n for a, n in zip(adv_values, lengths)) / tokens - r.policy_loss) > 0.05
+
+
+def test_export_of_the_critic(learner, tmp_path):
+    """ExportHF(critic=True) (--save_value_network) writes the critic: one value per token."""
+    from transformers import AutoModelForTokenClassification
+
+    r = learner.stub.ExportHF(pb.ExportHFRequest(output_dir=str(tmp_path / "critic"), critic=True), timeout=300)
+    critic = AutoModelForTokenClassification.from_pretrained(r.path, dtype=torch.float32)
+    assert critic.config.num_labels == 1 and critic.score.weight.shape[0] == 1

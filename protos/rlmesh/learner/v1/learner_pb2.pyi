@@ -373,12 +373,14 @@ class LoadCheckpointResponse(_message.Message):
     def __init__(self, global_step: _Optional[int] = ..., path: _Optional[str] = ..., client_state: _Optional[bytes] = ..., actor_global_step: _Optional[int] = ..., duration_s: _Optional[float] = ...) -> None: ...
 
 class ExportHFRequest(_message.Message):
-    __slots__ = ("output_dir", "dtype")
+    __slots__ = ("output_dir", "dtype", "critic")
     OUTPUT_DIR_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CRITIC_FIELD_NUMBER: _ClassVar[int]
     output_dir: str
     dtype: _common_pb2.DType
-    def __init__(self, output_dir: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ...) -> None: ...
+    critic: bool
+    def __init__(self, output_dir: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., critic: _Optional[bool] = ...) -> None: ...
 
 class ExportHFResponse(_message.Message):
     __slots__ = ("path", "bytes", "duration_s")
