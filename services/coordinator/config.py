@@ -16,8 +16,10 @@ import json
 import os
 import pathlib
 import warnings
+from typing import ClassVar
 
 from services.common.config import ConfigError, opt
+from services.common.deepspeed_file import apply_flags, check_batches, read_deepspeed_file
 from services.common.server import ServerConfig
 
 ADVANTAGE_ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo")
@@ -84,9 +86,9 @@ class CoordinatorConfig(ServerConfig):
     load_checkpoint: bool = opt(False, "resume from the latest complete checkpoint under --ckpt_path")
     max_ckpt_num: int = opt(3, "number of checkpoints kept under --ckpt_path")
     save_hf_ckpt: bool = opt(False, "with each checkpoint also export the actor in HF format")
-    save_value_network: bool = opt(False, "also save the critic in HF format at the end")
+    save_value_network: bool = opt(False, "also export the critic in HF format to {save_path}_critic at the end (the "
+                                   "DeepSpeed checkpoints always hold it, in global_step_N/critic)")
     disable_ds_ckpt: bool = opt(False, "do not write DeepSpeed checkpoints (no resume possible)")
-    use_ds_universal_ckpt: bool = opt(False, "write DeepSpeed universal checkpoints (loadable under another ZeRO stage)")
 
     # ---- batch sizes and lengths --------------------------------------------------------------
     micro_train_batch_size: int = opt(8, "samples per forward/backward on each learner rank")
@@ -103,6 +105,10 @@ class CoordinatorConfig(ServerConfig):
 
     # ---- optimisation -------------------------------------------------------------------------
     zero_stage: int = opt(2, "DeepSpeed ZeRO stage", choices=[0, 1, 2, 3])
+    deepspeed: str = opt("", "a DeepSpeed config file for the learner (JSON or YAML, or an Accelerate config with a "
+                         "deepspeed_config section, e.g. simpleRL-reason's recipes): its ZeRO stage, offload, bf16 "
+                         "and clipping replace those flags, its other settings are laid over the learner's config; "
+                         "batch sizes must match the flags")
     bf16: bool = opt(False, "train in bfloat16")
     actor_learning_rate: float = opt(1e-6, "actor learning rate")
     critic_learning_rate: float = opt(9e-6, "critic learning rate")
@@ -232,6 +238,19 @@ class CoordinatorConfig(ServerConfig):
     ref_needed: bool = opt(False, "a reference model is needed (init_kl_coef > 0)", derived=True)
     reward_model_needed: bool = opt(False, "rewards come from a reward model service role", derived=True)
 
+    # OpenRLHF options rlmesh does not have, each with what to use instead (an error, never ignored).
+    UNSUPPORTED_FLAGS: ClassVar[dict[str, str]] = {
+        "async_train": "not supported yet: rlmesh generates and then trains within each step (synchronous); drop "
+                       "the flag (for a stable hybrid engine the seed guides use --colocate_all_models "
+                       "--vllm_enable_sleep --deepspeed_enable_sleep)",
+        "agent_func_path": "not supported yet: multi-turn agent episodes are not implemented; score single-turn "
+                           "samples with your own code through --remote_rm_url reward_func.py",
+        "use_ds_universal_ckpt": "not supported: rlmesh resumes a checkpoint only under the --zero_stage and actor "
+                                 "GPU count it was saved with (and says so when they differ); to continue under "
+                                 "another layout, start from an HF export (--save_hf_ckpt writes one with each "
+                                 "checkpoint) with --pretrain",
+    }
+
     # ------------------------------------------------------------------------------------------
 
     def loss_levels(self) -> tuple[str, str]:
@@ -252,6 +271,7 @@ class CoordinatorConfig(ServerConfig):
         self.validate_server()
         self._resolve_placement()
         self._check_models()
+        self._apply_deepspeed_file()
         self._check_placement_counts()
         self._check_batches()
         self._check_objective()
@@ -328,6 +348,16 @@ class CoordinatorConfig(ServerConfig):
         self.ref_needed = self.init_kl_coef > 0
         if len(self.reward_clip_range) != 2 or self.reward_clip_range[0] > self.reward_clip_range[1]:
             raise ConfigError(f"--reward_clip_range {self.reward_clip_range}: give LOW HIGH with LOW <= HIGH")
+
+    def _apply_deepspeed_file(self) -> None:
+        """--deepspeed FILE decides the ZeRO stage, bf16, offload and clipping the learner gets."""
+        if not self.deepspeed:
+            return
+        ds_file = read_deepspeed_file(self.deepspeed)
+        apply_flags(self, ds_file)
+        ranks = max(1, self.actor_gpus())
+        accumulation = self.train_batch_size // max(1, self.micro_train_batch_size * ranks)
+        check_batches(ds_file, self.train_batch_size, self.micro_train_batch_size, accumulation)
 
     def _check_placement_counts(self) -> None:
         for role in ("actor", "critic", "reward", "ref"):
@@ -431,16 +461,10 @@ class CoordinatorConfig(ServerConfig):
             raise ConfigError(f"--top_p {self.top_p} must be in (0, 1]")
         if self.use_kl_loss and self.init_kl_coef <= 0:
             warnings.warn("--use_kl_loss has no effect with --init_kl_coef 0; set e.g. --init_kl_coef 0.001", stacklevel=2)
-        if self.use_ds_universal_ckpt:
-            warnings.warn("--use_ds_universal_ckpt: the learner writes regular DeepSpeed checkpoints; ignored",
-                          stacklevel=2)
         if self.critic_needed and self.critic_num_nodes * self.critic_num_gpus_per_node not in (
                 0, self.actor_gpus()) and not self.colocate_all_models:
             warnings.warn("the learner trains the critic on the actor's ranks; --critic_num_nodes / "
                           "--critic_num_gpus_per_node only need to be >= 1", stacklevel=2)
-        if self.save_value_network:
-            warnings.warn("--save_value_network: the critic is kept in the learner's DeepSpeed checkpoints "
-                          "(global_step_N/critic); no separate HF export of it is written", stacklevel=2)
         if not self.critic_needed and (self.critic_pretrain or self.save_value_network):
             warnings.warn(f"--advantage_estimator {self.advantage_estimator} trains no critic; "
                           "--critic_pretrain / --save_value_network are ignored", stacklevel=2)

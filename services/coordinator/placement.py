@@ -131,6 +131,8 @@ def learner_argv(cfg: CoordinatorConfig, total_steps: int, num_ranks: int) -> li
     if cfg.on_gpu and cfg.zero_stage < 3:
         # Log-probs straight from the hidden states: less memory and time than full float32 logits.
         argv += ["--logprobs_head", "fused"]
+    if cfg.deepspeed:
+        argv += ["--deepspeed", cfg.deepspeed]  # the learner lays the file's other settings over its config
     return argv + shlex.split(cfg.learner_extra_args)
 
 

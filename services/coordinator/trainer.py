@@ -733,6 +733,11 @@ class Trainer:
             await self._reload_learner()
             await self.learner.ExportHF(learner_pb2.ExportHFRequest(output_dir=cfg.save_path), timeout=cfg.rpc_timeout_s)
             log_event(_log, "model.exported", path=cfg.save_path)
+            if cfg.save_value_network and self.use_critic:
+                critic_path = cfg.save_path.rstrip("/") + "_critic"  # OpenRLHF's place for it
+                await self.learner.ExportHF(learner_pb2.ExportHFRequest(output_dir=critic_path, critic=True),
+                                            timeout=cfg.rpc_timeout_s)
+                log_event(_log, "model.exported", path=critic_path, model="critic")
 
 
 def _progress_bar(config, step: int, total_steps: int):
