@@ -6,6 +6,7 @@
     rlmesh train --config examples/tiny_grpo.yaml                the RL loop (coordinator)
     rlmesh quickstart                                            the embedded end-to-end default
     rlmesh sft|rm|dpo|eval|plot ...                              offline trainers and tools
+    rlmesh control status|pause|resume|stop --run_dir DIR        steer a running training run
     rlmesh scale rollout|reward N --run_dir RUN                  more or fewer instances of a running run
     rlmesh make-tiny-model OUT / make-data OUT                   local tiny models and data
 """
@@ -21,6 +22,7 @@ COMMANDS = {
     "rm": ("services.learner.train_rm", "main", "reward-model training on preference pairs"),
     "dpo": ("services.learner.train_dpo", "main", "direct preference optimisation"),
     "eval": ("services.coordinator.evaluate", "main", "pass@1 / pass@n of a model through the rollout and reward services"),
+    "control": ("services.coordinator.control_cli", "main", "status, pause, resume or stop a running training run"),
     "plot": ("services.coordinator.plot", "main", "PNG curves of a run folder's metrics.jsonl"),
     "scale": ("services.coordinator.scale_cli", "main", "add or remove rollout / reward instances of a running run"),
     "make-tiny-model": ("services.common.tiny", "main_make_tiny_model", "build a tiny random model with a local tokenizer"),

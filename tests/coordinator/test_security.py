@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import subprocess
+import sys
 import time
 
 import grpc
@@ -27,7 +29,8 @@ from rlmesh.learner.v1 import learner_pb2, learner_pb2_grpc
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.client import make_sync_channel
 from services.common.security import ClientCredentials
-from tests.coordinator.conftest import finish, read_metrics, service_pids, start_coordinator, wait_for_file
+from tests.coordinator.conftest import (REPO, finish, read_metrics, service_env, service_pids, start_coordinator,
+                                        wait_for_file)
 
 
 def make_certs(folder):
@@ -73,6 +76,11 @@ def wait_state(stub, metadata, state: int, timeout_s: float = 300.0) -> cpb.GetS
         time.sleep(0.2)
 
 
+def rlmesh_control(*argv) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", "control", *argv], cwd=REPO, env=service_env(),
+                          capture_output=True, text=True, timeout=120)
+
+
 def listening_ips(pid: int) -> set[str]:
     """Addresses the process and its children listen on (gRPC, metrics, rendezvous store, gloo)."""
     procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
@@ -115,6 +123,10 @@ def test_attacks_on_a_tls_run_fail_and_the_run_trains(tiny_model_dir, tiny_data_
             assert "CoordinatorService/Pause" in message and "authorization: Bearer" in message
             refused(lambda: control.Stop(cpb.StopRequest(skip_checkpoint=True), timeout=10))
             refused(lambda: control.Pause(cpb.PauseRequest(), timeout=10, metadata=(("authorization", "Bearer x"),)))
+            tls_flags = ["--address", info["address"], "--tls_ca", certs["ca"], "--tls_cert", certs["cert"],
+                         "--tls_key", certs["key"]]
+            denied = rlmesh_control("stop", *tls_flags)
+            assert denied.returncode == 1 and "UNAUTHENTICATED" in denied.stderr, denied.stderr
             # The run's owner pauses once the first step is done (and checkpointed), to look around.
             next(control.StreamMetrics(cpb.StreamMetricsRequest(since_step=0), timeout=300))
             control.Pause(cpb.PauseRequest(), timeout=10, metadata=auth)
@@ -177,7 +189,9 @@ def test_attacks_on_a_tls_run_fail_and_the_run_trains(tiny_model_dir, tiny_data_
             (ckpt / "global_step_0").mkdir()
             (ckpt / "global_step_0" / "data.txt").write_text("not a checkpoint")
 
-            control.Resume(cpb.ResumeRequest(), timeout=10, metadata=auth)
+            # The owner's shell: `rlmesh control` over mutual TLS, the token read from the run folder.
+            resumed = rlmesh_control("resume", *tls_flags, "--run_dir", str(run_dir))
+            assert resumed.returncode == 0 and "RUN_STATE_RUNNING" in resumed.stdout, resumed.stderr
         output = finish(proc, log, timeout_s=420)
         assert proc.returncode == 0, output[-6000:]
     finally:
