@@ -206,19 +206,6 @@ def unpack_bucket(buffer: torch.Tensor, slots: Sequence[ParamSlot]) -> list[tupl
 # It detects transport faults (lost, stale, shifted, swapped or flipped bytes), not tampering.
 
 _ROW_WORDS = ALIGN_BYTES // 4  # int32 words per 64-byte row; every parameter starts on a row
-_ROWS_PER_SLICE = 1 << 22  # rows summed per pass (256 MiB of bytes): bounds the int64 temporaries
-
-
-def _row_sums(words: torch.Tensor, first_row: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """words: (rows, 16) int32 of bucket rows first_row.. -> per row (sum w, sum (g + 1) * w), int64,
-    g being a word's index in the bucket; both wrap modulo 2**64."""
-    w = words.to(torch.int64)  # (rows, 16)
-    column = torch.arange(1, _ROW_WORDS + 1, dtype=torch.int64, device=w.device)
-    row_a = w.sum(1)  # (rows,)
-    # word 16 r + k carries weight 16 r + k + 1 = 16 r + (k + 1)
-    rows = torch.arange(first_row, first_row + w.shape[0], dtype=torch.int64, device=w.device)
-    row_b = (w * column).sum(1) + rows * _ROW_WORDS * row_a  # (rows,)
-    return row_a, row_b
 
 
 def bucket_sums(buffer: torch.Tensor, slots: Sequence[ParamSlot]) -> torch.Tensor:
@@ -231,38 +218,52 @@ def bucket_sums(buffer: torch.Tensor, slots: Sequence[ParamSlot]) -> torch.Tenso
     """
     if buffer.device.type == "cpu":
         return _cpu_bucket_sums(buffer, slots)
+    return _device_bucket_sums(buffer, slots)
+
+
+def _device_bucket_sums(buffer: torch.Tensor, slots: Sequence[ParamSlot]) -> torch.Tensor:
+    """bucket_sums in two reading passes over the bucket, both int32 in, int64 accumulators, no
+    int64 copy of the words. With a parameter's words as rows of 16 (its rows s .. e-1 of the
+    bucket), word 16 (r - s) + k has weight 16 (r - s) + (k + 1), so
+        A = sum_r rowsum_r,   B = 16 * sum_r (r - s) * rowsum_r + sum_k (k + 1) * colsum_k:
+    pass 1 sums every row of the bucket, pass 2 sums every parameter's columns."""
     device = buffer.device
     size = buffer.numel()
     full_rows, tail = divmod(size, ALIGN_BYTES)
-    row_a, row_b = [], []
-    words = buffer[:full_rows * ALIGN_BYTES].view(torch.int32).view(full_rows, _ROW_WORDS)
-    for first in range(0, full_rows, _ROWS_PER_SLICE):
-        a, b = _row_sums(words[first:first + _ROWS_PER_SLICE], first)
-        row_a.append(a)
-        row_b.append(b)
+    words = buffer[:full_rows * ALIGN_BYTES].view(torch.int32).view(full_rows, _ROW_WORDS)  # (rows, 16)
+    last = None
     if tail:  # a bucket may end inside a row: its last bytes, zero-padded to one row
         last = torch.zeros(ALIGN_BYTES, dtype=torch.uint8, device=device)
         last[:tail] = buffer[full_rows * ALIGN_BYTES:]
-        a, b = _row_sums(last.view(torch.int32).view(1, _ROW_WORDS), full_rows)
-        row_a.append(a)
-        row_b.append(b)
-    if not row_a:  # an empty bucket (parameters with no elements)
-        return torch.zeros(len(slots), 2, dtype=torch.int64, device=device)
-    # Per parameter: the sums over its rows [start, end), as differences of running sums (which
-    # need no per-row owner table). Rows between parameters hold only zero padding.
-    rows_a = torch.cumsum(torch.cat(row_a), 0)  # (rows,)
-    rows_b = torch.cumsum(torch.cat(row_b), 0)
+        last = last.view(torch.int32).view(1, _ROW_WORDS)
+    row_sum = words.sum(1, dtype=torch.int64)  # (rows,)
+    if last is not None:
+        row_sum = torch.cat([row_sum, last.sum(1, dtype=torch.int64)])
+    index = torch.arange(row_sum.numel(), dtype=torch.int64, device=device)
     zero = torch.zeros(1, dtype=torch.int64, device=device)
-    rows_a, rows_b = torch.cat([zero, rows_a]), torch.cat([zero, rows_b])
+    run_a = torch.cat([zero, torch.cumsum(row_sum, 0)])  # (rows + 1,) running sums, wrapping
+    run_ra = torch.cat([zero, torch.cumsum(index * row_sum, 0)])
+    column = torch.arange(1, _ROW_WORDS + 1, dtype=torch.int64, device=device)
+    col_sums = []
+    for s in slots:
+        start = s.offset // ALIGN_BYTES
+        end = (s.offset + s.nbytes + ALIGN_BYTES - 1) // ALIGN_BYTES
+        col = words[start:min(end, full_rows)].sum(0, dtype=torch.int64)  # (16,)
+        if end > full_rows:
+            col = col + last[0].to(torch.int64)
+        col_sums.append(col)
+    if not slots:
+        return torch.zeros(0, 2, dtype=torch.int64, device=device)
     bounds = torch.tensor([[s.offset // ALIGN_BYTES for s in slots],
                            [(s.offset + s.nbytes + ALIGN_BYTES - 1) // ALIGN_BYTES for s in slots]],
                           dtype=torch.int64)  # (2, n) first row, row after the last
     if device.type == "cuda":  # pinned and asynchronous: a pageable copy would wait for the device
         bounds = bounds.pin_memory().to(device, non_blocking=True)
+    else:
+        bounds = bounds.to(device)
     start, end = bounds[0], bounds[1]
-    a = rows_a[end] - rows_a[start]
-    # B counted words from the bucket's start; each parameter counts from its own first word.
-    b = rows_b[end] - rows_b[start] - start * _ROW_WORDS * a
+    a = run_a[end] - run_a[start]  # (n,)
+    b = _ROW_WORDS * (run_ra[end] - run_ra[start] - start * a) + (torch.stack(col_sums) * column).sum(1)
     return torch.stack([a, b], dim=1)  # (n, 2)
 
 

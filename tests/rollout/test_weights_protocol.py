@@ -98,6 +98,9 @@ def test_bucket_sums_equal_the_written_digest_of_every_parameter():
             buffer = weights.pack_bucket(tensors, members, sizes[bucket], "cpu")
             digests = weights.bucket_digests(buffer, members)
             assert digests == {s.name: written_tensor_digest(tensors[s.name]) for s in members}
+            # The GPU's way of summing (row and column passes), run here on CPU tensors.
+            on_device = weights.digests_from_sums(weights._device_bucket_sums(buffer, members), members)
+            assert on_device == digests
     assert all(weights.tensor_digest(t) == written_tensor_digest(t) for t in tensors.values())
     # Two swapped words change B (A alone would not see it).
     words = tensors["huge"].clone().view(torch.int32)
