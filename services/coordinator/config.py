@@ -73,6 +73,9 @@ class CoordinatorConfig(ServerConfig):
     critic_pretrain: str = opt("", "local folder to initialise the critic from; empty = --reward_pretrain or --pretrain")
     reward_pretrain: str = opt("", "local folder of a reward model (HF sequence classification, one label)")
     remote_rm_url: str = opt("", "reward server URL(s), comma separated, or a Python file defining reward_func")
+    remote_rm_batch_size: int = opt(64, "samples per call to the --remote_rm_url server(s) or reward function; 1 "
+                                        "calls them one sample at a time, as OpenRLHF does (they may then answer "
+                                        "single numbers)")
     reward_func: str = opt("", "built-in rule reward instead of a model: math, simplerl_math (simpleRL-reason's "
                            "1 / -0.5 / -1), exact_match or format (comma separated rules add up)")
     normalize_reward: bool = opt(False, "normalise rewards with the mean/std stored in the reward model's config")
@@ -327,6 +330,9 @@ class CoordinatorConfig(ServerConfig):
             if len(sources) != 1:
                 raise ConfigError("give exactly one reward source: --reward_pretrain DIR, --remote_rm_url URL|file.py "
                                   f"or --reward_func math|exact_match|format (got {sources or 'none'})")
+        if self.remote_rm_batch_size < 1:
+            raise ConfigError(f"--remote_rm_batch_size {self.remote_rm_batch_size} must be >= 1 (1 = one sample "
+                              "per call, as OpenRLHF calls reward servers and functions)")
         rules = [r.strip() for r in self.reward_func.split(",") if r.strip()]
         if any(r not in ("math", "simplerl_math", "exact_match", "format") for r in rules):
             raise ConfigError(f"--reward_func {self.reward_func}: use math, simplerl_math, exact_match or format "

@@ -40,6 +40,9 @@ class Sample:
     reward: float | None = None  # from the reward service (after its normalisation and clipping)
     score: float | None = None  # raw score before normalisation and clipping
     extra: dict[str, float] = dataclasses.field(default_factory=dict)
+    # Metrics the reward source gave once for the Score call of this sample's micro-batch, name ->
+    # (value x samples, samples): held by the call's first sample only, so each call counts once.
+    score_batch_metrics: dict[str, tuple[float, int]] = dataclasses.field(default_factory=dict)
     old_logprobs: torch.Tensor | None = None  # (T,) float32
     ref_logprobs: torch.Tensor | None = None  # (T,) float32
     values: torch.Tensor | None = None  # (T,) float32

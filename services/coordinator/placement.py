@@ -91,6 +91,7 @@ def reward_argv(cfg: CoordinatorConfig, reward: bool, reference: bool) -> list[s
             argv += ["--reward_pretrain", cfg.reward_pretrain, "--reward_dtype", "bf16" if cfg.bf16 else "fp32"]
         elif cfg.remote_rm_url:
             argv += ["--remote_rm_url", cfg.remote_rm_url]
+            argv += ["--remote_rm_url", cfg.remote_rm_url, "--remote_rm_batch_size", str(cfg.remote_rm_batch_size)]
         else:
             argv += ["--reward_func", cfg.reward_func]
         argv += ["--reward_clip_range", *map(str, cfg.reward_clip_range),

@@ -39,6 +39,7 @@ from services.coordinator.evaluate import load_eval_prompts
 from services.coordinator.final_scrape import ScrapeWatch
 from services.coordinator.metrics import MetricsLog
 from services.coordinator.placement import LocalPlacement, StaticPlacement
+from services.coordinator.queries import QueryDecoder
 from services.coordinator.security import public_config, secure_run
 from services.coordinator.run_config import total_steps_of
 from services.coordinator.recovery import Recovery
@@ -150,6 +151,7 @@ async def run(config: CoordinatorConfig) -> int:
         master = await placement.weight_sync_master(endpoints)
         trainer = Trainer(config, endpoints, control, stream, metrics=None, state=new_state(config, str(run_dir)),
                           weight_sync_master=master, eval_prompts=eval_prompts)
+        trainer.query_decoder = QueryDecoder(tokenizer)
         await trainer.setup(resume=config.load_checkpoint)
         trainer.metrics = MetricsLog(run_dir, config, resumed_step=trainer.state.global_step)
         control.attach_metrics(trainer.metrics)

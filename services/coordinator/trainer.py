@@ -47,6 +47,8 @@ from services.coordinator.evaluate import evaluate
 from services.coordinator.experience import Sample, StepCollector
 from services.coordinator.metrics import MetricsLog
 from services.coordinator.placement import Endpoints
+from services.coordinator.queries import QueryDecoder
+from services.coordinator.reward_logs import reward_metrics
 from services.coordinator.rollout_pool import RolloutPool, gather_or_cancel
 from services.coordinator.scoring_pool import ScoringPool
 from services.reward.client import ReferenceClient, RewardClient
@@ -105,6 +107,8 @@ class Trainer:
         self._sleep_supported = cfg.vllm_enable_sleep
         self.learner_offloaded = False  # learner states in host memory (--deepspeed_enable_sleep)
         self._rpc_seconds: dict[str, float] = {}
+        # Decodes each sample's token ids into the query text reward servers get (set by train.run).
+        self.query_decoder: QueryDecoder | None = None
         # Supervision hooks (services/coordinator/recovery.py; None = a failure ends the run).
         self.recovery = None
         self.group_engines: list = []  # the engines of the current weight-transfer group
@@ -323,7 +327,10 @@ class Trainer:
             self._rpc_seconds[what] += time.monotonic() - t0
 
     async def _score(self, samples: list[Sample]) -> None:
-        batch = ScoreBatch(queries=["" for _ in samples], prompts=[s.prompt.text for s in samples],
+        # As OpenRLHF: the whole sequence decoded with special tokens ("" lets the reward service join texts).
+        decoder = self.query_decoder
+        queries = decoder.queries([s.sequence for s in samples]) if decoder else [""] * len(samples)
+        batch = ScoreBatch(queries=queries, prompts=[s.prompt.text for s in samples],
                            responses=[s.text for s in samples], labels=[s.prompt.label for s in samples],
                            sample_ids=[s.sample_id for s in samples],
                            data_sources=[s.prompt.datasource for s in samples])
@@ -335,6 +342,7 @@ class Trainer:
         for i, s in enumerate(samples):
             s.reward, s.score = float(result.rewards[i]), float(result.scores[i])
             s.extra = {k: float(v[i]) for k, v in result.extra.items()}
+        samples[0].score_batch_metrics = dict(result.batch)  # per call, not per sample
 
     async def _logprobs(self, samples: list[Sample]) -> None:
         cfg = self.config
@@ -585,11 +593,7 @@ class Trainer:
              "kl/coef": self.state.kl_coef,
              "samples/generated": len(all_samples), "samples/trained": batch["count"],
              "progress/episode": self.state.episode, "progress/prompts_consumed": self.state.prompts_consumed}
-        extra_names = sorted({k for s in all_samples for k in s.extra})
-        for name in extra_names:
-            values = [s.extra[name] for s in all_samples if name in s.extra and math.isfinite(s.extra[name])]
-            if values:
-                m[f"reward/{name}"] = sum(values) / len(values)
+        m.update(reward_metrics(all_samples))
         if batch["count"]:
             mask = batch["mask"]
             per_sample_kl = (batch["kl"] * mask).sum(1) / mask.sum(1).clamp(min=1)

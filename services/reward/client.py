@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 
 import numpy as np
 import torch
@@ -93,7 +94,13 @@ def scores_from_response(response: reward_pb2.ScoreResponse, n: int, offset: int
         if values.numel() != n:
             raise InvalidScores(f"'extra_metrics.{name}' has {values.numel()} values for {n} samples")
         checked[name] = values.double().numpy().reshape(-1)
-    return SourceScores(rewards, scores, checked)
+    batch = {}
+    for name, metric in response.batch_metrics.items():
+        if metric.samples < 0 or not math.isfinite(metric.weighted_sum):
+            raise InvalidScores(f"'batch_metrics.{name}' is {metric.weighted_sum} over {metric.samples} samples; "
+                                "send a finite sum over a sample count >= 0")
+        batch[name] = (metric.weighted_sum, metric.samples)
+    return SourceScores(rewards, scores, checked, batch)
 
 
 @dataclasses.dataclass
@@ -104,6 +111,8 @@ class ScoreResult:
     scores: np.ndarray
     extra: dict[str, np.ndarray]
     source: str
+    # Metrics reported per call, not per sample: name -> (sum of value x samples, samples).
+    batch: dict[str, tuple[float, int]] = dataclasses.field(default_factory=dict)
 
 
 class RewardClient:
@@ -133,7 +142,7 @@ class RewardClient:
         joined = SourceScores.concat(parts)
         return ScoreResult(joined.rewards.astype(np.float32), joined.scores.astype(np.float32),
                            {k: v.astype(np.float32) for k, v in joined.extra.items()},
-                           answers[0].source if answers else "")
+                           answers[0].source if answers else "", joined.batch)
 
     async def info(self) -> reward_pb2.GetRewardInfoResponse:
         return await self.stub.GetRewardInfo(reward_pb2.GetRewardInfoRequest(), timeout=10.0)

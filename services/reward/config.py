@@ -49,7 +49,10 @@ class RewardConfig(ServerConfig):
                                                         "turn clipping off")
 
     # Remote servers and reward function files.
-    remote_rm_batch_size: int = opt(64, "samples per call to a remote reward server or reward function")
+    remote_rm_batch_size: int = opt(64, "samples per call to a remote reward server or reward function; 1 calls "
+                                        "them one sample at a time, as OpenRLHF does, and they may then answer "
+                                        "single numbers for rewards and scores; an extra_logs entry given as one "
+                                        "number is logged as a metric of its call, never copied to each sample")
     remote_rm_max_in_flight: int = opt(8, "calls to remote reward servers (all URLs together) or reward "
                                           "functions running at once")
     remote_rm_timeout_s: float = opt(60.0, "time limit of one call to a remote reward server, seconds")

@@ -127,6 +127,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         return reward_pb2.ScoreResponse(
             rewards=to_proto(rewards.astype(np.float32)), scores=to_proto(result.scores.astype(np.float32)),
             extra_metrics={k: to_proto(v.astype(np.float32)) for k, v in result.extra.items()},
+            batch_metrics={k: reward_pb2.BatchMetric(weighted_sum=total, samples=count)
+                           for k, (total, count) in result.batch.items()},
             sample_ids=batch.sample_ids, source=kind)
 
     @handle_errors

@@ -67,6 +67,8 @@ class SourceScores:
     rewards: np.ndarray
     scores: np.ndarray
     extra: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    # Metrics given once per call, not per sample: name -> (sum of value x samples of the call, samples).
+    batch: dict[str, tuple[float, int]] = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def concat(parts: list[SourceScores]) -> SourceScores:
@@ -77,7 +79,17 @@ class SourceScores:
         extra = {k: np.concatenate([p.extra.get(k, np.full(len(p.rewards), np.nan)) for p in parts])
                  for k in names}
         return SourceScores(np.concatenate([p.rewards for p in parts]),
-                            np.concatenate([p.scores for p in parts]), extra)
+                            np.concatenate([p.scores for p in parts]), extra, merge_batch_metrics(parts))
+
+
+def merge_batch_metrics(parts) -> dict[str, tuple[float, int]]:
+    """Adds up the (weighted sum, samples) of each batch metric over parts that have a `batch` dict."""
+    merged: dict[str, tuple[float, int]] = {}
+    for part in parts:
+        for name, (weighted_sum, samples) in part.batch.items():
+            total, count = merged.get(name, (0.0, 0))
+            merged[name] = (total + weighted_sum, count + samples)
+    return merged
 
 
 class RewardSource(abc.ABC):
@@ -137,30 +149,63 @@ def finite_values(values, n: int, field: str, offset: int = 0) -> np.ndarray:
     return out
 
 
-def scores_from_payload(payload, n: int, offset: int = 0) -> SourceScores:
-    """Parses {"rewards": [...], "scores"?: [...], "extra_logs"?: {name: [...]}} or a bare list.
+def _scalar(value) -> float | None:
+    """value as a float if it is one number (a Python number, or a tensor / array of no dimension)."""
+    if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0:
+        value = value.item()
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return None
 
-    Raises InvalidScores naming the field and the sample index.
+
+def per_sample_values(values, n: int, field: str, offset: int = 0) -> np.ndarray:
+    """finite_values, also taking one number for a one-sample call (OpenRLHF's per-sample convention)."""
+    one = _scalar(values)
+    if one is not None:
+        if n != 1:
+            raise InvalidScores(f"'{field}' is one number ({one:g}) for {n} samples (samples {offset}.."
+                                f"{offset + n - 1}); return one value per sample, or have each call score one "
+                                "sample, as OpenRLHF does, with --remote_rm_batch_size 1")
+        values = [one]
+    return finite_values(values, n, field, offset)
+
+
+def scores_from_payload(payload, n: int, offset: int = 0) -> SourceScores:
+    """Parses {"rewards": [...], "scores"?: [...], "extra_logs"?: {name: [...] or a number}} or a bare list.
+
+    One number is accepted for "rewards" and "scores" (and as the whole answer) when the call held one
+    sample, as OpenRLHF reward servers and functions answer. An "extra_logs" entry given as one number
+    is a metric of the whole call (e.g. the accuracy of its batch): it becomes a batch metric weighted by
+    the call's n samples, never a value copied to every sample. Raises InvalidScores naming the field
+    and the sample index.
     """
-    if isinstance(payload, (list, tuple, np.ndarray, torch.Tensor)):
-        rewards = finite_values(payload, n, "rewards", offset)
+    if isinstance(payload, (list, tuple, np.ndarray, torch.Tensor)) or _scalar(payload) is not None:
+        rewards = per_sample_values(payload, n, "rewards", offset)
         return SourceScores(rewards, rewards.copy(), {})
     if not isinstance(payload, dict):
         raise InvalidScores(f"expected a JSON object with 'rewards', got {type(payload).__name__}")
     if "rewards" not in payload:
         raise InvalidScores(f"no 'rewards' field (fields present: {sorted(payload)})")
-    rewards = finite_values(payload["rewards"], n, "rewards", offset)
+    rewards = per_sample_values(payload["rewards"], n, "rewards", offset)
     scores = rewards.copy()
     if payload.get("scores") is not None:
-        scores = finite_values(payload["scores"], n, "scores", offset)
+        scores = per_sample_values(payload["scores"], n, "scores", offset)
     extra: dict[str, np.ndarray] = {}
+    batch: dict[str, tuple[float, int]] = {}
     extra_logs = payload.get("extra_logs")
     if extra_logs is not None:
         if not isinstance(extra_logs, dict):
             raise InvalidScores(f"'extra_logs' must be an object of name: list, got {type(extra_logs).__name__}")
         for name, values in extra_logs.items():
-            extra[str(name)] = finite_values(values, n, f"extra_logs.{name}", offset)
-    return SourceScores(rewards, scores, extra)
+            one = _scalar(values)
+            if one is None:
+                extra[str(name)] = finite_values(values, n, f"extra_logs.{name}", offset)
+            elif not math.isfinite(one):
+                raise InvalidScores(f"'extra_logs.{name}' is {one} for samples {offset}..{offset + n - 1}; "
+                                    "metrics must be finite")
+            else:
+                batch[str(name)] = (one * n, n)
+    return SourceScores(rewards, scores, extra, batch)
 
 
 def invalid_response(origin: str, problem: str) -> ServiceError:

@@ -16,6 +16,8 @@ and extra_logs {"query_len": len(query)}. Routes:
     /missing        a JSON object without "rewards"
     /reject         HTTP 400
     /cut            sends half of the answer, then closes the connection
+    /scalar         as an OpenRLHF 0.10 server, which gets one sample per request: single numbers for
+                    rewards, scores and every extra_logs entry (those of the first sample)
     /by_label       the behaviour named by the first sample's label, e.g. "mode:slow:2", "mode:flaky:2:k",
                     "mode:garbage" (any route above; its parameters in order); other labels: /ok
     /stats          JSON {route: calls, "max_concurrent": n, "batch_sizes": [...]}; ?reset=1 clears
@@ -91,6 +93,9 @@ async def reward(request: web.Request) -> web.StreamResponse:
             answer = {"score": answer["rewards"]}
         elif route == "reject":
             return web.Response(status=400, text="bad request: labels required")
+        elif route == "scalar":
+            answer = {"rewards": answer["rewards"][0], "scores": answer["scores"][0],
+                      "extra_logs": {"query_len": answer["extra_logs"]["query_len"][0]}}
         elif route == "cut":
             data = json.dumps(answer).encode()
             response = web.StreamResponse(headers={"Content-Type": "application/json"})

@@ -179,3 +179,40 @@ def test_a_hang_or_crash_names_the_file_and_the_sample_and_the_worker_is_replace
     np.testing.assert_array_equal(run(source, batch("ok")).rewards, [1.0, 1.0])
     assert source._live <= 2
     asyncio.run(source.close())
+
+
+OPENRLHF_MATH_FILE = """import torch
+
+def reward_func(queries, prompts, labels, **kwargs):
+    # As OpenRLHF's examples/python/math_reward_func.py: one accuracy for the whole batch.
+    rewards = torch.tensor([1.0 if q.endswith(l) else 0.0 for q, l in zip(queries, labels)])
+    return {"rewards": rewards, "scores": rewards, "extra_logs": {"math_accuracy": rewards.mean()}}
+"""
+
+
+def test_scalar_extra_logs_are_batch_metrics_not_per_sample_values(tmp_path):
+    source = FunctionRewardSource.from_file(write(tmp_path, OPENRLHF_MATH_FILE), timeout_s=30, batch_size=3)
+    batch = ScoreBatch.from_texts(["q"] * 5, ["4", "5", "4", "4", "x"], ["4"] * 5)
+    out = run(source, batch, close=True)
+    np.testing.assert_array_equal(out.rewards, [1, 0, 1, 1, 0])
+    assert "math_accuracy" not in out.extra
+    # Calls of 3 and 2 samples with accuracies 2/3 and 1/2: weighted by their samples, 3/5 overall.
+    weighted_sum, samples = out.batch["math_accuracy"]
+    assert samples == 5 and weighted_sum == pytest.approx(3.0)
+
+
+def test_one_sample_calls_may_return_single_numbers(tmp_path):
+    path = write(tmp_path, "import torch\n"
+                           "def reward_func(queries, prompts, labels, **kw):\n"
+                           "    return {'rewards': float(len(queries[0])), 'scores': torch.tensor(0.5),\n"
+                           "            'extra_logs': {'n': 2.0}}\n")
+    source = FunctionRewardSource.from_file(path, timeout_s=30, batch_size=1)
+    out = run(source, ScoreBatch.from_texts(["a", "bb", "c"], ["", "", ""]))
+    np.testing.assert_array_equal(out.rewards, [1.0, 2.0, 1.0])
+    np.testing.assert_array_equal(out.scores, [0.5, 0.5, 0.5])
+    assert out.batch == {"n": (6.0, 3)}
+    source.batch_size = 2  # the same answers for two samples per call cannot be split
+    err = score_error(source, ScoreBatch.from_texts(["a", "bb"], ["", ""]))
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "'rewards' is one number (1) for 2 samples" in err.message and "--remote_rm_batch_size 1" in err.message
+    asyncio.run(source.close())

@@ -179,3 +179,18 @@ def test_failed_url_gets_traffic_again_after_the_back_off_window(http_server):
     first, within, after = asyncio.run(run())
     assert (first, within) == (1, 1)
     assert after >= 2  # back in rotation, and now answering
+
+
+def test_openrlhf_one_sample_servers_may_answer_single_numbers(http_server):
+    """OpenRLHF 0.10 posts one sample per request, and its servers may answer {"rewards": 1.0, ...};
+    --remote_rm_batch_size 1 is that convention. A single number for several samples is an error."""
+    b = batch(5)
+    out = score([f"{http_server}/scalar"], b, batch_size=1)
+    np.testing.assert_array_equal(out.rewards, expected_rewards(b))
+    np.testing.assert_array_equal(out.scores, [len(q) for q in b.queries])
+    # extra_logs given as one number per call: a batch metric, not a per-sample value.
+    assert "query_len" not in out.extra
+    assert out.batch["query_len"] == (float(sum(len(q) for q in b.queries)), 5)
+    err = score_error([f"{http_server}/scalar"], b, batch_size=4)
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "'rewards' is one number" in err.message and "--remote_rm_batch_size 1" in err.message

@@ -159,3 +159,30 @@ def test_rollout_sized_batch_through_the_service(math_service):
                                   response_token_ids=[torch.arange(tokens) % 600] * n)
     out = score(math_service.address, batch)
     assert out.rewards.shape == (n,) and out.rewards.min() == 1.0
+
+
+def test_batch_metrics_of_a_function_file_travel_over_grpc(tmp_path):
+    """OpenRLHF's math reward file returns one accuracy per call: the service answers it as a batch
+    metric (value x samples, samples), and a reward service that calls that one over grpc:// passes
+    the sums on, so the caller's mean is the accuracy over all the samples."""
+    from tests.reward.test_function_source import OPENRLHF_MATH_FILE
+
+    path = tmp_path / "math_reward_func.py"
+    path.write_text(OPENRLHF_MATH_FILE)
+    inner = start_reward_service(tmp_path, "--remote_rm_url", str(path), "--remote_rm_batch_size", "3",
+                                 "--remote_rm_max_in_flight", "1")
+    outer = None
+    try:
+        outer = start_reward_service(tmp_path, "--remote_rm_url", f"grpc://{inner.address}",
+                                     "--remote_rm_batch_size", "4")
+        batch = ScoreBatch.from_texts(["q"] * 7, ["4", "5", "4", "4", "x", "4", "4"], ["4"] * 7)
+        for address in (inner.address, outer.address):
+            out = score(address, batch)
+            np.testing.assert_array_equal(out.rewards, [1, 0, 1, 1, 0, 1, 1])
+            assert "math_accuracy" not in out.extra
+            weighted_sum, samples = out.batch["math_accuracy"]
+            assert samples == 7 and weighted_sum == pytest.approx(5.0)
+    finally:
+        inner.stop()
+        if outer is not None:
+            outer.stop()

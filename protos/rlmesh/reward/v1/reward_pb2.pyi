@@ -36,7 +36,7 @@ class ScoreRequest(_message.Message):
     def __init__(self, samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., response_token_ids: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("rewards", "scores", "extra_metrics", "sample_ids", "source")
+    __slots__ = ("rewards", "scores", "extra_metrics", "sample_ids", "source", "batch_metrics")
     class ExtraMetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -44,17 +44,34 @@ class ScoreResponse(_message.Message):
         key: str
         value: _common_pb2.Tensor
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    class BatchMetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: BatchMetric
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[BatchMetric, _Mapping]] = ...) -> None: ...
     REWARDS_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
     EXTRA_METRICS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_METRICS_FIELD_NUMBER: _ClassVar[int]
     rewards: _common_pb2.Tensor
     scores: _common_pb2.Tensor
     extra_metrics: _containers.MessageMap[str, _common_pb2.Tensor]
     sample_ids: _containers.RepeatedScalarFieldContainer[str]
     source: str
-    def __init__(self, rewards: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., scores: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., extra_metrics: _Optional[_Mapping[str, _common_pb2.Tensor]] = ..., sample_ids: _Optional[_Iterable[str]] = ..., source: _Optional[str] = ...) -> None: ...
+    batch_metrics: _containers.MessageMap[str, BatchMetric]
+    def __init__(self, rewards: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., scores: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., extra_metrics: _Optional[_Mapping[str, _common_pb2.Tensor]] = ..., sample_ids: _Optional[_Iterable[str]] = ..., source: _Optional[str] = ..., batch_metrics: _Optional[_Mapping[str, BatchMetric]] = ...) -> None: ...
+
+class BatchMetric(_message.Message):
+    __slots__ = ("weighted_sum", "samples")
+    WEIGHTED_SUM_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    weighted_sum: float
+    samples: int
+    def __init__(self, weighted_sum: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class GetRewardInfoRequest(_message.Message):
     __slots__ = ()
