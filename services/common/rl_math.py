@@ -267,6 +267,7 @@ def policy_loss(
     ratio_type: Literal["token", "sequence"] = "token",
     level: LossLevel = "token",
     normalizer: float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """PPO clipped surrogate loss.
 
@@ -275,6 +276,7 @@ def policy_loss(
     GSPO ratio exp(masked mean of the log-ratio) shared by all tokens of a sequence.
     loss_t = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A); eps_high defaults to
     eps_low. dual_clip = c > 1 bounds the loss where A < 0: loss_t = -max(min(...), c * A).
+    is_weights (B, T), constants (truncated_is_weights): loss_t is multiplied by them (TIS).
     Aggregated by aggregate_loss(level, normalizer). Metrics are masked means over tokens.
     """
     if eps_high is None:
@@ -293,11 +295,27 @@ def policy_loss(
     objective = torch.min(unclipped, clipped)
     if dual_clip is not None:
         objective = torch.where(advantages < 0, torch.max(objective, dual_clip * advantages), objective)
+    if is_weights is not None:
+        objective = objective * is_weights.detach().float()
     loss = aggregate_loss(-objective, mask, level, normalizer)
     with torch.no_grad():
         clip_ratio = masked_mean((clipped < unclipped).float(), mask)
         ppo_kl = masked_mean(old_logp.float() - logp.float(), mask)
     return PolicyLossOutput(loss, clip_ratio, ppo_kl)
+
+
+def truncated_is_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+                         cap: float) -> torch.Tensor:
+    """Truncated importance sampling (TIS) weights of the policy loss, per token.
+
+    old_logp: log-probs of the sampled tokens under the policy being trained, before the update
+    (what the PPO ratio divides by); rollout_logp: under the weights that generated them, as the
+    rollout engine reported (the behaviour policy, older by the async lag and computed by another
+    kernel); mask: (B, T). Returns (B, T) min(exp(old_logp - rollout_logp), cap), 0 where mask is 0,
+    without grad. The PPO ratio corrects from old to new policy; this corrects behaviour to old.
+    """
+    log_ratio = (old_logp.float() - rollout_logp.float()).clamp(-20.0, 20.0)
+    return (torch.exp(log_ratio).clamp(max=cap) * mask).detach()
 
 
 def value_loss(
