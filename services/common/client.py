@@ -150,6 +150,35 @@ class _SyncMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInte
         return continuation(_with_metadata(details, self.metadata), request_iterator)
 
 
+def service_label(service_full_name: str, address: str) -> str:
+    """'rlmesh.learner.v1.LearnerService', '127.0.0.1:5' -> 'learner service at 127.0.0.1:5'."""
+    name = service_full_name.rsplit(".", 1)[-1].removesuffix("Service").lower()
+    return f"{name} service at {address}" if name else address
+
+
+class _AioNamedErrors(grpc.aio.UnaryUnaryClientInterceptor):
+    """Names the service and address in errors gRPC made up on the client side (connection refused
+    or reset, deadline passed), which otherwise read e.g. "failed to connect to all addresses". A
+    status the service returned itself (services.common.errors) already says what went wrong."""
+
+    def __init__(self, label: str):
+        self.label = label
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        call = await continuation(details, request)
+        try:
+            return await call
+        except grpc.aio.AioRpcError as exc:
+            if returned_by_service(exc):
+                raise
+            code = exc.code()
+            what = {grpc.StatusCode.UNAVAILABLE: "is unavailable",
+                    grpc.StatusCode.DEADLINE_EXCEEDED: "did not answer within the call's deadline"}.get(
+                        code, f"failed ({code.name})")
+            raise grpc.aio.AioRpcError(code, exc.initial_metadata(), exc.trailing_metadata(),
+                                       f"{self.label} {what}: {exc.details()}", exc.debug_error_string()) from None
+
+
 def _resolve(credentials: ClientCredentials | None, tls_ca: str, tls_cert: str, tls_key: str) -> ClientCredentials:
     """The caller's credentials, else this process's (services.common.security); explicit TLS files win."""
     creds = credentials if credentials is not None else client_credentials()
@@ -179,7 +208,7 @@ def make_channel(address: str, service_full_name: str = "", idempotent_methods=(
     ClientCredentials() = plaintext and no token (for servers outside the run)."""
     creds = _resolve(credentials, tls_ca, tls_cert, tls_key)
     options = _options(service_full_name, idempotent_methods, max_message_mb, keepalive_time_s, keepalive_timeout_s)
-    interceptors = [_AioDeadline(default_timeout_s)]
+    interceptors = [_AioNamedErrors(service_label(service_full_name, address)), _AioDeadline(default_timeout_s)]
     if creds.token:
         interceptors += _aio_metadata(creds.metadata())
     if creds.tls_ca:

@@ -157,9 +157,12 @@ class ScoringPool:
         try:
             return task.result()
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE and not returned_by_service(exc):
-                self._mark_down(instance, f"{exc.code().name}: {exc.details()}")
-                raise _InstanceLost(f"{instance.describe()} is unavailable: {exc.details()}") from None
+            if not returned_by_service(exc):
+                # gRPC's own error; the channel already names the service and address in it.
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._mark_down(instance, exc.details())
+                    raise _InstanceLost(f"{instance.name}: {exc.details()}") from None
+                raise ScoringError(f"{instance.name}: {exc.details()}", exc.code()) from None
             raise ScoringError(f"{instance.describe()}: {exc.code().name}: {exc.details()}", exc.code()) from None
 
     # ---- instance states ------------------------------------------------------------------------

@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
 
     store = connect_store(spec, config.startup_timeout_s)
     procs = spawn_local_ranks(spec, argv) if spec.spawn_local else []
-    driver = RankGroupDriver(spec, store, procs, config.startup_timeout_s, config.heartbeat_timeout_s)
+    driver = RankGroupDriver(spec, store, procs, config.startup_timeout_s, config.heartbeat_timeout_s,
+                             config.cancel_grace_s)
 
     async def build(runner) -> None:
         try:

@@ -45,6 +45,9 @@ class LearnerConfig(ServerConfig, DeepSpeedOptions):
                                 "answering fails the call instead of hanging it")
     startup_timeout_s: float = opt(600.0, "how long rank 0 waits for every rank to start and load the models")
     heartbeat_timeout_s: float = opt(60.0, "a rank whose heartbeat stops for this long is declared dead")
+    cancel_grace_s: float = opt(30.0, "when a call's caller has gone (deadline, cancel), the ranks stop at the next "
+                                      "optimizer step or forward pass; if they have not within this many seconds, "
+                                      "health reports NOT_SERVING until they have")
 
     def validate(self) -> None:
         self.validate_server()
@@ -73,6 +76,8 @@ class LearnerConfig(ServerConfig, DeepSpeedOptions):
             raise ConfigError(f"--max_ckpt_num {self.max_ckpt_num} must be >= 1")
         if self.dist_timeout_s <= 0 or self.heartbeat_timeout_s <= 0 or self.startup_timeout_s <= 0:
             raise ConfigError("--dist_timeout_s, --startup_timeout_s and --heartbeat_timeout_s must be > 0")
+        if self.cancel_grace_s <= 0:
+            raise ConfigError(f"--cancel_grace_s {self.cancel_grace_s} must be > 0")
         # The data-parallel degree is only known for sure once the ranks are resolved; check what
         # can be checked now.
         self.validate_deepspeed(self.world_size or None)

@@ -505,6 +505,10 @@ class RankGroupDriver:
 
     def _fail(self, failure: RankFailure, fatal: bool) -> GroupError:
         error = GroupError(failure, fatal)
+        if failure.code == "CANCELLED" and not fatal:
+            # Stopped on purpose (CancelPoint): no error, no traceback.
+            log_event(log, "ranks.command_stopped", detail=failure.message)
+            return error
         log_event(log, "ranks.command_failed", rank=failure.rank, fatal=fatal, error=failure.message[:300],
                   level=40)
         if failure.traceback:

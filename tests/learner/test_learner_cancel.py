@@ -1,7 +1,9 @@
 """Work nobody waits for stops: a TrainActor call with a huge epoch count whose client deadline
 passes is stopped on both ranks of a real 2-rank learner (ZeRO-2, gloo) within seconds, and the
-learner, still SERVING, answers the next calls at once; the same for a cancelled LogProbs."""
+learner answers the next calls at once; the same for a cancelled LogProbs. Health reports
+NOT_SERVING while the stopping takes longer than --cancel_grace_s (set tiny here), SERVING after."""
 
+import threading
 import time
 
 import grpc
@@ -20,7 +22,8 @@ def learner(tmp_path_factory, tiny_model_dir):
     proc = start_learner(
         tmp_path_factory.mktemp("learner_cancel"), "--pretrain", str(tiny_model_dir), "--num_gpus", "2",
         "--zero_stage", "2", "--train_batch_size", str(TRAIN_BATCH), "--micro_train_batch_size", "1",
-        "--micro_forward_batch_size", "1", "--actor_learning_rate", "1e-4", "--max_steps", "100000")
+        "--micro_forward_batch_size", "1", "--actor_learning_rate", "1e-4", "--max_steps", "100000",
+        "--cancel_grace_s", "0.01")
     yield proc
     proc.stop()
 
@@ -37,6 +40,18 @@ def test_train_actor_past_its_deadline_stops_and_the_learner_serves_the_next_cal
     batch = experience(seqs, starts, old_logprobs=logprobs(stub, seqs, starts),
                        advantages=signed_advantages(seqs, starts))
     before = stub.GetInfo(pb.GetInfoRequest(), timeout=30).actor_global_step
+    statuses = []
+    watch = health_pb2_grpc.HealthStub(learner.channel).Watch(health_pb2.HealthCheckRequest(), timeout=300)
+
+    def record():
+        try:
+            for reply in watch:
+                statuses.append(reply.status)
+        except grpc.RpcError:
+            pass  # cancelled at the end
+
+    watcher = threading.Thread(target=record)
+    watcher.start()
     # 20,000 optimizer steps: tens of minutes on this machine, were the call to run to its end.
     with pytest.raises(grpc.RpcError) as err:
         stub.TrainActor(pb.TrainActorRequest(batch=batch, max_epochs=10_000, request_id="huge"), timeout=8)
@@ -49,6 +64,11 @@ def test_train_actor_past_its_deadline_stops_and_the_learner_serves_the_next_cal
     stopped_at = r.actor_global_step - 2
     assert 0 < stopped_at - before < 20_000  # it trained a while, then stopped
     assert serving(learner)
+    watch.cancel()
+    watcher.join(10)
+    # Stopping took longer than the 0.01 s grace: health said so, then recovered.
+    NOT_SERVING, SERVING = health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING
+    assert statuses[0] == SERVING and NOT_SERVING in statuses and statuses[-1] == SERVING, statuses
     time.sleep(3)  # nothing runs on in the background: the step count stays put
     assert stub.GetInfo(pb.GetInfoRequest(), timeout=30).actor_global_step == r.actor_global_step
     log = learner.log.read_text()
