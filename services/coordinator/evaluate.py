@@ -31,6 +31,7 @@ from services.common.datasets import DatasetError, load_prompts
 from services.common.log import get_logger, log_event
 from services.common.tensors import from_proto
 from services.coordinator.data import Prompt
+from services.coordinator.queries import QueryDecoder
 from services.coordinator.rollout_pool import RolloutPool
 from services.reward.source import ScoreBatch
 
@@ -98,11 +99,12 @@ def is_correct(reward: float, extra: dict[str, float], pass_reward: float) -> bo
 
 async def evaluate(pool: RolloutPool, score, prompts: list[Prompt], n: int, sampling: rollout_pb2.SamplingOptions,
                    expected_version: int, seed: int, pass_reward: float = 1.0, prefix: str = "eval/",
-                   request_name: str = "eval") -> dict[str, float]:
+                   request_name: str = "eval", decoder: QueryDecoder | None = None) -> dict[str, float]:
     """Generates n samples per prompt on the pool's engines, scores them, returns summarize(...).
 
     score: async fn(ScoreBatch) -> an object with `rewards` (N,) and `extra` {name: (N,)} (a
     RewardClient's score, or the loop's balanced call). Samples are scored in batches as they arrive.
+    decoder: makes the queries as in training (OpenRLHF's decoded sequence); None: prompt + response text.
     """
     samples: list[tuple[Prompt, rollout_pb2.GenerateResponse]] = []
     pending: list[asyncio.Task] = []
@@ -111,8 +113,13 @@ async def evaluate(pool: RolloutPool, score, prompts: list[Prompt], n: int, samp
     batch_size = 256
 
     async def score_batch(batch: list[tuple[Prompt, rollout_pb2.GenerateResponse]]) -> None:
+        if decoder is None:
+            queries = [p.text + s.text for p, s in batch]
+        else:
+            queries = decoder.queries([list(p.token_ids) + from_proto(s.response_token_ids, "response_token_ids")
+                                       .tolist() for p, s in batch])
         scored = await score(ScoreBatch(
-            queries=[p.text + s.text for p, s in batch], prompts=[p.text for p, _ in batch],
+            queries=queries, prompts=[p.text for p, _ in batch],
             responses=[s.text for _, s in batch], labels=[p.label for p, _ in batch],
             sample_ids=[f"{p.uid}/{s.sample_index}" for p, s in batch],
             data_sources=[p.datasource for p, _ in batch]))
@@ -301,7 +308,7 @@ async def run_eval(config: EvalConfig) -> dict[str, float]:
         sampling = rollout_pb2.SamplingOptions(temperature=config.temperature, top_p=config.top_p,
                                                max_tokens=config.generate_max_len, return_text=True)
         return await evaluate(pool, scorer, prompts, config.n_samples_per_prompt, sampling, versions.pop(),
-                              config.seed, config.pass_reward)
+                              config.seed, config.pass_reward, decoder=QueryDecoder(tokenizer))
     finally:
         if pool is not None:
             await pool.close()

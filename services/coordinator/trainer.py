@@ -653,7 +653,8 @@ class Trainer:
             return self.rewards.call(lambda c: c.score(batch, request_id=f"eval{step}"))
 
         metrics = await evaluate(self.pool, score, self.eval_prompts, cfg.eval_n_samples_per_prompt, sampling,
-                                 self.state.weight_version, cfg.seed, pass_reward=cfg.eval_pass_reward)
+                                 self.state.weight_version, cfg.seed, pass_reward=cfg.eval_pass_reward,
+                                 decoder=self.query_decoder)
         # Colocated: vLLM gives the memory back before the learner needs it again, as after generation.
         if self._sleep_supported:
             await self._sleep_rollout()
