@@ -47,6 +47,8 @@ class Recovery:
         trainer.pool.wait_for_engine = self.wait_for_engine
         supervisor.on_restarted.append(self._on_restarted)
         supervisor.on_died.append(self._on_died)
+        # Scoring retries and instance changes go to the run's events.jsonl too.
+        trainer.rewards.on_event = trainer.references.on_event = supervisor.event
         self.rollout_index = {i.name: k for k, i in enumerate(supervisor.by_role("rollout"))}
         self.reward_index = {i.name: k for k, i in enumerate(supervisor.by_role("reward"))}
         self.reference_index = {i.name: k for k, i in enumerate(supervisor.by_role("reference"))}
