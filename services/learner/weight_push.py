@@ -125,6 +125,12 @@ class WeightSender:
                 in_flight = self._sending.submit(self.group.broadcast_from_learner, buffer)
             sums.append((weights.bucket_sums(buffer, members), members))
         settle()
+        if self.backend == "ipc" and self.device.type == "cuda":
+            # The handles leave only once their bytes are written: a receiver that still maps an
+            # earlier buffer of the same allocator block reuses that mapping without waiting for
+            # the IPC event (torch's IPC cache), and would read a half-packed bucket (seen with a
+            # 2-rank ZeRO-2 learner). One wait per chunk.
+            torch.cuda.current_stream(self.device).synchronize()
         # The digests were summed on the device; the host waits for them once per chunk.
         for bucket_sum, members in sums:
             digests = weights.digests_from_sums(bucket_sum, members)

@@ -169,8 +169,10 @@ class WeightPusher:
         device = torch.device("cuda", torch.cuda.current_device())
         members_of = bucket_members(slots, len(sizes))
         buffers = [pack_bucket(tensors, members, sizes[b], device) for b, members in enumerate(members_of)]
-        # Summed on the GPU; share_bucket_ipc records an event the engine waits for before reading.
         sums = [bucket_sums(buffer, members) for buffer, members in zip(buffers, members_of)]
+        # Packed before any handle leaves (see WeightSender.send_chunk: torch's IPC cache can skip
+        # the event a receiver would otherwise wait for).
+        torch.cuda.synchronize(device)
         for bucket_sum, members in zip(sums, members_of):
             digests = digests_from_sums(bucket_sum, members)
             entries.update({s.name: DigestEntry(s.dtype, s.shape, digests[s.name]) for s in members})
