@@ -20,6 +20,7 @@ from typing import ClassVar
 
 from services.common.config import ConfigError, opt
 from services.common.deepspeed_file import apply_flags, check_batches, read_deepspeed_file
+from services.common.paths import absolute_paths, resolve_path_fields
 from services.common.server import ServerConfig
 
 ADVANTAGE_ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo")
@@ -272,6 +273,7 @@ class CoordinatorConfig(ServerConfig):
 
     def validate(self) -> None:
         self.validate_server()
+        self._resolve_paths()
         self._resolve_placement()
         self._check_models()
         self._apply_deepspeed_file()
@@ -281,6 +283,18 @@ class CoordinatorConfig(ServerConfig):
         self._check_values()
         self._check_eval()
         self._check_gpu_only_flags()
+
+    def _resolve_paths(self) -> None:
+        """Every path flag absolute against the user's working directory (services.common.paths):
+        the services this run starts have working directories of their own."""
+        if not self.run_dir:
+            name = self.wandb_run_name or os.path.basename(os.path.normpath(self.ckpt_path)) or "run"
+            self.run_dir = os.path.join("runs", name)
+        resolve_path_fields(self, inputs=("pretrain", "ref_pretrain", "critic_pretrain", "reward_pretrain",
+                                          "prompt_data", "eval_dataset", "deepspeed"),
+                            outputs=("save_path", "ckpt_path", "run_dir", "use_tensorboard"))
+        # Reward function files (entries without a scheme); URLs stay as they are.
+        self.remote_rm_url = absolute_paths(self.remote_rm_url, "remote_rm_url")
 
     def _resolve_placement(self) -> None:
         env_lists = {"rollout_addresses": "RLMESH_ROLLOUT_ADDRESSES", "reward_addresses": "RLMESH_REWARD_ADDRESSES",

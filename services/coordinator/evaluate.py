@@ -27,6 +27,7 @@ from collections import defaultdict
 
 from rlmesh.rollout.v1 import rollout_pb2
 from services.common.config import ConfigError, opt, parse_config
+from services.common.paths import absolute_paths, resolve_path_fields
 from services.common.datasets import DatasetError, load_prompts
 from services.common.log import get_logger, log_event
 from services.common.tensors import from_proto
@@ -210,6 +211,9 @@ class EvalConfig:
     rpc_timeout_s: float = opt(1800.0, "deadline of the Generate and Score calls")
 
     def validate(self) -> None:
+        # The services this command starts run elsewhere than the user's working directory.
+        resolve_path_fields(self, inputs=("pretrain", "dataset", "reward_pretrain"), outputs=("run_dir",))
+        self.remote_rm_url = absolute_paths(self.remote_rm_url, "remote_rm_url")
         if not self.pretrain or not pathlib.Path(self.pretrain).is_dir():
             raise ConfigError(f"--pretrain {self.pretrain!r}: give a local model folder (its tokenizer encodes the "
                               "prompts, and without --rollout_addresses it is the model evaluated)")

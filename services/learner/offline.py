@@ -37,7 +37,9 @@ from services.common.config import ConfigError, opt
 from services.common.datasets import DatasetError
 from services.common.log import get_logger, log_event
 from services.common.logprobs import token_logprobs
+from services.common.paths import resolve_path_fields
 from services.common.rl_math import last_token_values
+from services.learner import offline_checkpoint
 from services.learner.batches import MicroBatch, Sample, collate
 from services.learner.deepspeed_setup import (
     DeepSpeedOptions,
@@ -86,7 +88,13 @@ class OfflineConfig(DeepSpeedOptions):
     max_epochs: int = opt(1, "passes over the training data")
     save_path: str = opt("./ckpt/model", "output folder: the trained model in Hugging Face format, with its "
                          "tokenizer and metrics.jsonl")
-    save_steps: int = opt(-1, "also save the model every N optimizer steps to {save_path}/global_step_N; -1 = only at the end")
+    save_steps: int = opt(-1, "every N optimizer steps save a resumable DeepSpeed checkpoint to --ckpt_path and the "
+                          "model to {save_path}/global_step_N; -1 = only the final model at the end")
+    ckpt_path: str = opt("", "folder of the resumable checkpoints (global_step_N/, latest); empty = "
+                         "{save_path}/checkpoints")
+    load_checkpoint: bool = opt(False, "resume from the newest complete checkpoint under --ckpt_path (its step, data "
+                                "position, optimizer and schedule); none there: start anew")
+    max_ckpt_num: int = opt(3, "checkpoints kept under --ckpt_path (the oldest are removed)")
     eval_steps: int = opt(-1, "evaluate every N optimizer steps (also before training and at the end); "
                           "-1 = only before and after training")
     logging_steps: int = opt(1, "log training metrics every N optimizer steps")
@@ -103,6 +111,10 @@ class OfflineConfig(DeepSpeedOptions):
     max_steps: int = opt(0, "optimizer steps of the run: data rows // train_batch_size x max_epochs", derived=True)
 
     def validate(self) -> None:
+        if not self.ckpt_path and self.save_path:
+            self.ckpt_path = str(Path(self.save_path) / "checkpoints")
+        resolve_path_fields(self, inputs=("pretrain", "dataset", "eval_dataset", "deepspeed"),
+                            outputs=("save_path", "ckpt_path"))
         self.apply_deepspeed_file()
         if not self.pretrain or not Path(self.pretrain).is_dir():
             raise ConfigError(f"--pretrain {self.pretrain!r}: give a local model folder (Hugging Face format); "
@@ -116,6 +128,10 @@ class OfflineConfig(DeepSpeedOptions):
             raise ConfigError(f"--learning_rate {self.learning_rate} must be > 0")
         if self.save_steps == 0 or self.eval_steps == 0:
             raise ConfigError("--save_steps / --eval_steps must be a positive number of steps, or -1 for never")
+        if self.max_ckpt_num < 1:
+            raise ConfigError(f"--max_ckpt_num {self.max_ckpt_num} must be >= 1")
+        if self.load_checkpoint and not self.ckpt_path:
+            raise ConfigError("--load_checkpoint needs --ckpt_path (the folder the interrupted run saved to)")
         if self.flash_attn:
             if torch.cuda.is_available():
                 self.attn_implementation = "flash_attention_2"
@@ -393,11 +409,15 @@ class OfflineTrainer:
                   eval_rows=len(eval_rows) * world, steps=config.max_steps,
                   grad_accumulation=config.gradient_accumulation_steps(world))
 
+        ckpt_root = Path(config.ckpt_path)
+        resumed = offline_checkpoint.load_latest(engine, ckpt_root, world, config.zero_stage) \
+            if config.load_checkpoint else 0
         out_dir = Path(config.save_path)
         metrics_file = None
         if rank == 0:
             out_dir.mkdir(parents=True, exist_ok=True)
-            metrics_file = (out_dir / "metrics.jsonl").open("w", encoding="utf-8")
+            # A resumed run continues the same file.
+            metrics_file = (out_dir / "metrics.jsonl").open("a" if resumed else "w", encoding="utf-8")
 
         def record(step: int, values: dict[str, float]) -> None:
             """One metrics.jsonl line per step, training and evaluation values together."""
@@ -411,17 +431,19 @@ class OfflineTrainer:
             return {f"eval/{k}": v for k, v in self.evaluate(engine, eval_rows).items()}
 
         last: dict[str, float] = {}
-        if eval_rows:
+        if eval_rows and not resumed:
             last = evaluation()
             record(0, last)
         per_rank = config.train_batch_size // world
         micro = config.micro_train_batch_size
-        step = 0
+        step = resumed
         engine.train()
         for epoch in range(config.max_epochs):
             order = list(range(len(train_rows)))
             random.Random(config.seed + epoch).shuffle(order)
             for batch in range(steps_per_epoch):
+                if epoch * steps_per_epoch + batch < resumed:
+                    continue  # trained before the checkpoint: the same order, so the same rows
                 started = time.perf_counter()
                 global_rows = order[batch * config.train_batch_size:(batch + 1) * config.train_batch_size]
                 mine = [train_rows[i] for i in global_rows[rank * per_rank:(rank + 1) * per_rank]]
@@ -443,6 +465,8 @@ class OfflineTrainer:
                     record(step, values)
                     last = values
                 if config.save_steps > 0 and step % config.save_steps == 0 and step < config.max_steps:
+                    offline_checkpoint.save(engine, ckpt_root, step, rank, world, config.zero_stage,
+                                            config.max_ckpt_num)
                     self.save(engine, tokenizer, out_dir / f"global_step_{step}", rank)
         self.save(engine, tokenizer, out_dir, rank)
         if metrics_file is not None:

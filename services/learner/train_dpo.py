@@ -17,6 +17,7 @@ import torch
 
 from services.common.config import ConfigError, opt, parse_config
 from services.common.datasets import load_preferences
+from services.common.paths import resolve_path_fields
 from services.learner.deepspeed_setup import load_pretrained
 from services.learner.offline import (
     OfflineConfig,
@@ -46,6 +47,7 @@ class DPOConfig(OfflineConfig, PreferenceKeys):
 
     def validate(self) -> None:
         super().validate()
+        resolve_path_fields(self, inputs=("ref_pretrain",))
         if self.beta <= 0:
             raise ConfigError(f"--beta {self.beta} must be > 0")
         if not 0 <= self.label_smoothing < 0.5:
