@@ -73,8 +73,8 @@ def last_number(text: str) -> str | None:
 
 
 def stated_answer(text: str) -> str | None:
-    """What follows the last "the answer is" / "answer:": its first $...$ math, else its first number,
-    else its words up to the end of the sentence; None without such a phrase."""
+    """What follows the last "the answer is" / "answer:": its first $...$ math, else the first number of
+    its sentence (after the sentence's last "="), else its words; None without such a phrase."""
     phrases = list(_ANSWER_PHRASE.finditer(text))
     if not phrases:
         return None
@@ -84,7 +84,8 @@ def stated_answer(text: str) -> str | None:
     math = _MATH_SPAN.search(rest)
     if math and math.start() <= len(sentence):
         return next(g for g in math.groups() if g is not None).strip()
-    number = _NUMBER.search(sentence)
+    # "The answer is 3 + 4 = 7": the value comes after the last equals sign.
+    number = _NUMBER.search(sentence.split("=")[-1])
     if number:
         return number.group(0).replace(",", "")
     words = sentence.strip().strip("*").strip()

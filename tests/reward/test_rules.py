@@ -163,6 +163,7 @@ ANSWER_FORMS = [
     ("the final answer is \\(\\sqrt{2}\\)", "\\sqrt{2}"),
     ("The answer is\n$$\\frac{1}{2}$$", "0.5"),
     ("Answer: 42 apples, after 3 steps", "42"),
+    ("The answer is 3 + 4 = 7 apples", "7"),
     ("The final answer is: 2.5e3", "2500"),
     ("the speed is 2.5e3 m/s", "2500"),
     ("about 1.5E-3 of it", "0.0015"),
