@@ -120,7 +120,8 @@ TIMINGS+=("up -> run finished (services start, train, save): $(( $(date +%s) - u
 [ "$code" = 0 ] || { tail -40 runs/smoke/coordinator.log; fail "the coordinator exited with $code"; }
 grep -q '"run.done"\|run.done' runs/smoke/coordinator.log || fail "the coordinator log has no run.done"
 log "coordinator exited 0: $(grep -o 'run.done.*' runs/smoke/coordinator.log | head -1 | cut -c1-120)"
-docker run --rm -v "${PROJECT}_runs:/runs" --entrypoint sh "$RLMESH_IMAGE" -c \
+runs_volume=$(docker inspect -f '{{range .Mounts}}{{if eq .Destination "/runs"}}{{.Name}}{{end}}{{end}}' "$coordinator")
+docker run --rm -v "$runs_volume:/runs" --entrypoint sh "$RLMESH_IMAGE" -c \
   'ls /runs/model/config.json /runs/model/*.safetensors && ls -d /runs/ckpt/global_step_*' \
   || fail "no saved model under /runs/model in the runs volume"
 
@@ -131,7 +132,9 @@ port, rollouts = sys.argv[1], int(sys.argv[2])
 def query(q):
     url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": q})
     return json.load(urllib.request.urlopen(url, timeout=10))["data"]["result"]
-series = {r["metric"]["job"]: int(r["value"][1]) for r in query('count by (job) ({__name__=~"rlmesh_.+"})')}
+# Over the last hour: the coordinator has exited, so its series are no longer current.
+series = {r["metric"]["job"]: int(r["value"][1])
+          for r in query('count by (job) (last_over_time({__name__=~"rlmesh_.+"}[1h]))')}
 print("  rlmesh_ series per job:", series)
 missing = {"rollout", "reward", "learner", "coordinator"} - set(series)
 assert not missing, f"no rlmesh_ series from {sorted(missing)}"

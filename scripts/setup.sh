@@ -14,7 +14,8 @@ VENV=${RLMESH_VENV:-.venv}
 TORCH_INDEX=${RLMESH_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 TORCH_PIN="torch==2.13.0+cpu"
 STAMP="$VENV/.rlmesh-setup-stamp"
-want=$(cat scripts/setup.sh pyproject.toml 2>/dev/null | sha256sum | cut -c1-16)
+# (The image build runs this without pyproject.toml: RLMESH_SETUP_PROJECT=0 below.)
+want=$(cat scripts/setup.sh $(ls pyproject.toml 2>/dev/null) | sha256sum | cut -c1-16)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   exit 0
 fi
