@@ -32,7 +32,7 @@ PHASES = ("generate", "score", "train", "push", "checkpoint")
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0, help="draws the kills")
     parser.add_argument("--steps", type=int, default=3)

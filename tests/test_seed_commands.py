@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -271,3 +272,16 @@ def test_seed_rm_command_runs_with_the_deepspeed_recipe(paths, tmp_path):
     assert proc.returncode == 0, output[-4000:]
     assert "zero_stage=3" in output  # the recipe's stage, over the command's --zero_stage 2
     assert (save / "config.json").is_file()
+
+
+def test_no_parser_takes_a_prefix_for_an_option():
+    """Every argparse parser of the project has allow_abbrev=False (simpleRL's `--deepspeed FILE`
+    once became --deepspeed_enable_sleep, and `--load` --load_checkpoint)."""
+    lax = []
+    for folder in ("services", "bench", "protos", "tests", "examples", "scripts"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            text = path.read_text(encoding="utf-8")
+            for match in re.finditer(r"argparse\.ArgumentParser\(", text):
+                if not text[match.end():match.end() + 40].lstrip().startswith("allow_abbrev=False"):
+                    lax.append(f"{path.relative_to(ROOT)}:{text[:match.start()].count(chr(10)) + 1}")
+    assert not lax, f"parsers that accept abbreviations: {lax}"

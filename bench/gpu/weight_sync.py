@@ -51,7 +51,7 @@ SHAPES = {"0.5b": QWEN25_05B, "7b": QWEN25_7B}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["0.5b", "7b"], choices=sorted(SHAPES))
     p.add_argument("--bucket_mb", type=int, default=1024, help="largest bucket, MiB (both the limit and rlmesh)")
     p.add_argument("--repeats", type=int, default=3, help="timed pushes after one warm-up; the median is shown")

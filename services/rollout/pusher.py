@@ -208,7 +208,7 @@ async def push_checkpoint(args: argparse.Namespace) -> PushResult:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Push a checkpoint's weights into running rollout engines.")
+    parser = argparse.ArgumentParser(allow_abbrev=False, description="Push a checkpoint's weights into running rollout engines.")
     parser.add_argument("--rollout_addresses", nargs="+", required=True, help="HOST:PORT of every engine")
     parser.add_argument("--checkpoint", required=True, help="Hugging Face model folder (safetensors)")
     parser.add_argument("--version", type=int, required=True, help="weight version to assign (> the engines')")
