@@ -285,3 +285,11 @@ def test_no_parser_takes_a_prefix_for_an_option():
                 if not text[match.end():match.end() + 40].lstrip().startswith("allow_abbrev=False"):
                     lax.append(f"{path.relative_to(ROOT)}:{text[:match.start()].count(chr(10)) + 1}")
     assert not lax, f"parsers that accept abbreviations: {lax}"
+
+
+def test_simplerl_eval_flag_names_the_rlmesh_flag(capsys):
+    from services.coordinator.evaluate import EvalConfig
+
+    with pytest.raises(SystemExit):
+        parse_config(EvalConfig, ["--model_path", "./checkpoints"])
+    assert "--model_path: rlmesh eval takes the model folder as --pretrain DIR" in capsys.readouterr().err

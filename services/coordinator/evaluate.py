@@ -24,6 +24,7 @@ import pathlib
 import sys
 import time
 from collections import defaultdict
+from typing import ClassVar
 
 from rlmesh.rollout.v1 import rollout_pb2
 from services.common.config import ConfigError, opt, parse_config
@@ -180,6 +181,9 @@ def load_eval_prompts(paths: str, tokenizer, input_key: str, label_key: str, app
 @dataclasses.dataclass
 class EvalConfig:
     """Evaluates a model on labelled prompts through the rollout and reward services (pass@1, pass@n)."""
+
+    # simpleRL-reason's `python eval/math_eval.py --model_path DIR` names the model differently.
+    UNSUPPORTED_FLAGS: ClassVar[dict[str, str]] = {"model_path": "rlmesh eval takes the model folder as --pretrain DIR"}
 
     pretrain: str = opt("", "local model folder: served by the rollout service this command starts, and the "
                         "tokenizer of the prompts (with --rollout_addresses only its tokenizer is read)")
