@@ -163,6 +163,32 @@ class CoordinatorConfig(ServerConfig):
     top_p: float = opt(1.0, "nucleus sampling")
     top_k: int = opt(-1, "top-k sampling; -1 = off")
 
+    # ---- asynchronous training and agents (services/coordinator/async_loop.py, agent.py) -------
+    async_train: bool = opt(False, "generate the next step(s) while the learner trains the current one; "
+                            "a sample may lag the trained policy by up to --max_staleness weight versions")
+    max_staleness: int = opt(1, "with --async_train: how many weight versions a sample's oldest token may lag "
+                             "the policy it is trained on (0 = on-policy, as without --async_train)")
+    staleness_policy: str = opt("wait", "with --async_train, samples past --max_staleness: wait = generation of a "
+                                "step starts only once the weights are recent enough, so none is ever past the "
+                                "bound; drop = generation never waits and groups with a sample past the bound are "
+                                "dropped (counted in async/dropped_stale_samples)", choices=["wait", "drop"])
+    use_tis: bool = opt(False, "truncated importance sampling: weight each token's policy loss by "
+                        "min(exp(old_logprob - rollout_logprob), --tis_cap), the rollout engine's own log-probs "
+                        "being the behaviour policy (corrects for --async_train lag and engine/learner mismatch)")
+    tis_cap: float = opt(2.0, "with --use_tis: the cap of the importance weight (veRL's tis_imp_ratio_cap)")
+    agent_func_path: str = opt("", "Python file with OpenRLHF's agent API (class AgentExecutor / AgentInstance "
+                               "with async reset and step): multi-turn episodes; empty = single-turn samples")
+    agent_max_turns: int = opt(8, "with --agent_func_path: model turns per episode at most")
+    agent_max_length: int = opt(0, "with --agent_func_path: tokens per episode at most (prompt, model and "
+                                "environment tokens); 0 = --prompt_max_len + --generate_max_len")
+    agent_timeout_s: float = opt(120.0, "with --agent_func_path: an episode's agent code (reset and step calls) "
+                                 "running longer than this fails that episode; its worker is replaced")
+    agent_num_workers: int = opt(8, "with --agent_func_path: worker processes running agent code, one episode "
+                                 "each at a time")
+    agent_rewards: str = opt("agent", "with --agent_func_path: where an episode's reward comes from: the sum of "
+                             "the agent's step rewards, or the reward service scoring the whole episode",
+                             choices=["agent", "reward_service"])
+
     # ---- data ---------------------------------------------------------------------------------
     prompt_data: str = opt("", "prompt data: JSONL / Parquet / Arrow files or save_to_disk folders, comma separated")
     prompt_data_probs: str = opt("", "blending probabilities of --prompt_data, comma separated; empty = equal")
@@ -244,11 +270,6 @@ class CoordinatorConfig(ServerConfig):
 
     # OpenRLHF options rlmesh does not have, each with what to use instead (an error, never ignored).
     UNSUPPORTED_FLAGS: ClassVar[dict[str, str]] = {
-        "async_train": "not supported yet: rlmesh generates and then trains within each step (synchronous); drop "
-                       "the flag (for a stable hybrid engine the seed guides use --colocate_all_models "
-                       "--vllm_enable_sleep --deepspeed_enable_sleep)",
-        "agent_func_path": "not supported yet: multi-turn agent episodes are not implemented; score single-turn "
-                           "samples with your own code through --remote_rm_url reward_func.py",
         "use_ds_universal_ckpt": "not supported: rlmesh resumes a checkpoint only under the --zero_stage and actor "
                                  "GPU count it was saved with (and says so when they differ); to continue under "
                                  "another layout, start from an HF export (--save_hf_ckpt writes one with each "
@@ -282,6 +303,7 @@ class CoordinatorConfig(ServerConfig):
         self._check_objective()
         self._check_values()
         self._check_eval()
+        self._check_async_and_agent()
         self._check_gpu_only_flags()
 
     def _resolve_paths(self) -> None:
@@ -523,6 +545,34 @@ class CoordinatorConfig(ServerConfig):
 
     def eval_enabled(self) -> bool:
         return bool(self.eval_dataset) and self.eval_steps > 0
+
+    def _check_async_and_agent(self) -> None:
+        if self.max_staleness < 0:
+            raise ConfigError(f"--max_staleness {self.max_staleness} must be >= 0 (0 = on-policy)")
+        if self.async_train and (self.vllm_enable_sleep or self.deepspeed_enable_sleep or self.colocate_all_models):
+            raise ConfigError("--async_train overlaps generation and training, but --colocate_all_models / "
+                              "--vllm_enable_sleep / --deepspeed_enable_sleep run them one after another on the "
+                              "same GPUs; drop one or the other")
+        if self.use_tis and not self.tis_cap >= 1:
+            raise ConfigError(f"--tis_cap {self.tis_cap} must be >= 1 (e.g. 2.0)")
+        if not self.agent_func_path:
+            return
+        path = pathlib.Path(self.agent_func_path)
+        if path.suffix != ".py" or not path.is_file():
+            raise ConfigError(f"--agent_func_path {self.agent_func_path}: no such Python file; give a .py file "
+                              "defining AgentExecutor (or AgentInstance) as OpenRLHF's agent_func.py does")
+        for name in ("agent_max_turns", "agent_num_workers"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} {getattr(self, name)} must be >= 1")
+        if not self.agent_timeout_s > 0:
+            raise ConfigError(f"--agent_timeout_s {self.agent_timeout_s} must be > 0")
+        if self.agent_max_length < 0:
+            raise ConfigError(f"--agent_max_length {self.agent_max_length} must be >= 0 (0 = prompt + generate lengths)")
+        context = self.prompt_max_len + self.generate_max_len  # the rollout services' max_model_len
+        if self.placement != "static" and self.agent_max_length > context:
+            raise ConfigError(f"--agent_max_length {self.agent_max_length} is beyond the {context} tokens the rollout "
+                              f"services this run starts hold (--prompt_max_len + --generate_max_len); raise "
+                              "--prompt_max_len (the episode so far is the prompt of each turn)")
 
     def _check_eval(self) -> None:
         if self.eval_dataset and self.eval_steps <= 0:

@@ -46,6 +46,18 @@ class Sample:
     old_logprobs: torch.Tensor | None = None  # (T,) float32
     ref_logprobs: torch.Tensor | None = None  # (T,) float32
     values: torch.Tensor | None = None  # (T,) float32
+    # Weight version that generated each response token, (T,) int64; None: weight_version for all.
+    # Multi-turn agent episodes have one version per turn (environment tokens take their turn's).
+    token_versions: torch.Tensor | None = None
+    rollout_logprobs: torch.Tensor | None = None  # (T,) float32, the engine's own log-probs (--use_tis)
+    action_mask: torch.Tensor | None = None  # (T,) uint8, 0 on environment tokens; None: all 1
+    failed: bool = False  # an agent episode that failed: its group is not trained on
+    episode: dict | None = None  # agent episodes: turns, environment step times
+
+    @property
+    def oldest_version(self) -> int:
+        """The weight version of the sample's oldest token."""
+        return int(self.token_versions.min()) if self.token_versions is not None else self.weight_version
 
     @property
     def sample_id(self) -> str:

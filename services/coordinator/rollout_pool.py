@@ -121,13 +121,14 @@ class RolloutPool:
             await self.wait_for_engine()
 
     async def generate(self, prompts: list[Prompt], n: int, sampling: rollout_pb2.SamplingOptions,
-                       expected_version: int, seed: int, step: int, round_index: int,
+                       expected_version: int | None, seed: int, step: int, round_index: int,
                        on_sample: Callable[[Prompt, rollout_pb2.GenerateResponse], Awaitable[None] | None],
                        on_retry: Callable[[Prompt], None] | None = None, chunk_prompts: int = 0) -> None:
         """Generates n samples for every prompt; returns once all have been handed to on_sample.
 
         on_retry(prompt) is called before a prompt is generated again after an engine failure
-        (the caller drops that prompt's samples received so far).
+        (the caller drops that prompt's samples received so far). expected_version None: any weight
+        version may generate (--async_train), else the engines must hold that one.
         """
         if not prompts:
             return
@@ -144,7 +145,7 @@ class RolloutPool:
             sampling_i.seed = chunk_seed(seed, step, round_index, chunk_index)
             request = rollout_pb2.GenerateRequest(
                 request_id=f"step{step}-r{round_index}-c{chunk_index}", n=n, sampling=sampling_i,
-                expected_weight_version=expected_version,
+                expected_weight_version=expected_version,  # None leaves the field unset
                 prompts=[rollout_pb2.Prompt(prompt_id=p.uid, token_ids=to_proto(torch.tensor(p.token_ids, dtype=torch.int64)))
                          for p in chunk])
             by_id = {p.uid: p for p in chunk}

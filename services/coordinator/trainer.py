@@ -39,6 +39,8 @@ from services.coordinator import metrics as prom
 from services.coordinator.advantages import (compute_advantages, keep_group, length_mask, overlong_penalty,
                                              pad_right, update_kl_coef)
 from services.coordinator import checkpoint
+from services.coordinator.agent import AgentRunner
+from services.coordinator.async_loop import AsyncSteps, CollectedStep, admit_fresh
 from services.coordinator.checkpoint import CoordinatorState, config_digest
 from services.coordinator.config import CoordinatorConfig
 from services.coordinator.control import RunControl, ServiceEntry
@@ -114,8 +116,14 @@ class Trainer:
         self.group_engines: list = []  # the engines of the current weight-transfer group
         self.trained_step = 0  # the last step whose TrainActor succeeded (a redo would train twice)
         self.lost_samples = 0  # samples of the last failed step attempt
+        self.async_steps = AsyncSteps(self) if cfg.async_train else None  # --async_train
+        self.agents = AgentRunner(cfg, self.pool) if cfg.agent_func_path else None  # started in setup()
 
     async def close(self) -> None:
+        if self.async_steps is not None:
+            await self.async_steps.close()
+        if self.agents is not None:
+            await self.agents.close()
         closers = [self.pool.close(), self.learner_channel.close()]
         closers += [self.rewards.close(), self.references.close()]
         await asyncio.gather(*closers, return_exceptions=True)
@@ -133,6 +141,8 @@ class Trainer:
         if self.use_critic and not self.learner_info.critic_pretrain:
             raise RuntimeError(f"--advantage_estimator gae needs a critic, but the learner at {self.endpoints.learner} "
                                "has none; start it with --critic_pretrain")
+        if self.agents is not None:
+            await self.agents.start()  # a file that does not load stops the run here, before any step
         infos = await self.pool.model_infos()
         self.engine_tp = [max(1, i.tensor_parallel_size) for i in infos]
         self.weights_dtype = infos[0].weights_dtype or common_pb2.DTYPE_FLOAT32
@@ -327,6 +337,8 @@ class Trainer:
             self._rpc_seconds[what] += time.monotonic() - t0
 
     async def _score(self, samples: list[Sample]) -> None:
+        if self.agents is not None and self.agents.own_rewards:
+            return  # the agent's step rewards, set on each episode's sample
         # As OpenRLHF: the whole sequence decoded with special tokens ("" lets the reward service join texts).
         decoder = self.query_decoder
         queries = decoder.queries([s.sequence for s in samples]) if decoder else [""] * len(samples)
@@ -376,12 +388,17 @@ class Trainer:
     def _sampling(self) -> rollout_pb2.SamplingOptions:
         cfg = self.config
         return rollout_pb2.SamplingOptions(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                           max_tokens=cfg.generate_max_len, return_text=True)
+                                           max_tokens=cfg.generate_max_len, return_text=True,
+                                           logprobs=cfg.use_tis)  # the behaviour policy's, for TIS
 
     def _new_sample(self, prompt, response: rollout_pb2.GenerateResponse) -> Sample:
+        if self.agents is not None:  # an agent episode's outcome
+            return self.agents.new_sample(prompt, response, self.state.weight_version)
         ids = from_proto(response.response_token_ids, "response_token_ids").to(torch.int64)
+        rollout_logprobs = from_proto(response.logprobs, "logprobs").float() if self.config.use_tis else None
         return Sample(prompt=prompt, index=response.sample_index, response_ids=ids, text=response.text,
-                      finish_reason=response.finish_reason, weight_version=response.weight_version)
+                      finish_reason=response.finish_reason, weight_version=response.weight_version,
+                      rollout_logprobs=rollout_logprobs)
 
     async def _generate(self, collector: StepCollector, step: int, progress) -> dict:
         """Generation of the step, with DAPO refill rounds; returns generation metrics."""
@@ -390,7 +407,8 @@ class Trainer:
         if len(prompts) < cfg.rollout_batch_size:
             return {}
         consumed = len(prompts)
-        expected = self.state.weight_version
+        # Async: the engines may take newer weights while this step generates; each sample says which.
+        expected = None if cfg.async_train else self.state.weight_version
 
         def on_sample(prompt, response):
             if response.finish_reason == rollout_pb2.FINISH_REASON_ABORT:
@@ -401,7 +419,8 @@ class Trainer:
                 progress.update(1)
 
         collector.expect(prompts)
-        await self.pool.generate(prompts, cfg.n_samples_per_prompt, self._sampling(), expected, cfg.seed, step, 0,
+        generate = self.pool.generate if self.agents is None else self.agents.generate  # episodes: agent.py
+        await generate(prompts, cfg.n_samples_per_prompt, self._sampling(), expected, cfg.seed, step, 0,
                                  on_sample, on_retry=collector.forget_prompt)
         rounds = 0
         if collector.keep_group is not None:
@@ -418,16 +437,25 @@ class Trainer:
                 if progress is not None:
                     progress.total += len(more) * cfg.n_samples_per_prompt
                 collector.expect(more)
-                await self.pool.generate(more, cfg.n_samples_per_prompt, self._sampling(), expected, cfg.seed, step,
+                await generate(more, cfg.n_samples_per_prompt, self._sampling(), expected, cfg.seed, step,
                                          rounds, on_sample, on_retry=collector.forget_prompt)
                 await collector.wait_scores()
         return {"prompts_consumed": consumed, "filter_rounds": rounds}
 
     async def train_step(self, step: int) -> dict | None:
-        """Runs global step `step`; returns its metrics, or None when the data is exhausted."""
+        """Runs global step `step`; returns its metrics, or None when the data is exhausted.
+
+        With --async_train, services/coordinator/async_loop.py runs collect_step of later steps
+        while learn_step of this one trains (this is its special case with staleness 0)."""
+        t_step, cpu_step = time.monotonic(), time.process_time()
+        collected = await self.collect_step(step)
+        return None if collected is None else await self.learn_step(step, collected, t_step, cpu_step)
+
+    async def collect_step(self, step: int, defer_logprobs: bool = False) -> CollectedStep | None:
+        """Generation and scores of step `step`, and its log-probs unless deferred to learn_step
+        (async: they must come from the weights the step is trained on); None when the data is exhausted."""
         cfg = self.config
         times: dict[str, float] = {}
-        t_step, cpu_step = time.monotonic(), time.process_time()
         # Summed durations of the per-sample calls (they overlap each other and generation).
         self._rpc_seconds = {"score": 0.0, "logprobs": 0.0, "ref_logprobs": 0.0, "values": 0.0}
         keep = None
@@ -435,7 +463,7 @@ class Trainer:
             low, high = cfg.dynamic_filtering_reward_range
             keep = lambda rewards: bool(keep_group(torch.tensor([rewards]), low, high)[0])  # noqa: E731
         collector = StepCollector(cfg.n_samples_per_prompt, cfg.micro_rollout_batch_size, self._score, self._logprobs,
-                                  keep_group=keep, defer_logprobs=self.sequential)
+                                  keep_group=keep, defer_logprobs=self.sequential or defer_logprobs)
         progress = _progress_bar(cfg, step, self.control.total_steps)
         try:
             # ---- generate (scoring and log-probs run alongside) ----
@@ -456,7 +484,7 @@ class Trainer:
             self.control.set_phase(cpb.PHASE_SCORING)
             t0 = time.monotonic()
             await self._reload_learner()
-            await collector.finish()
+            await (collector.wait_scores() if defer_logprobs else collector.finish())
             times["score"] = time.monotonic() - t0
         except BaseException:
             self.lost_samples = len(collector.all_samples())
@@ -465,8 +493,24 @@ class Trainer:
         finally:
             if progress is not None:
                 progress.close()
+        return CollectedStep(collector, gen, times, self.stream.state(), defer_logprobs)
+
+    async def learn_step(self, step: int, collected: CollectedStep, t_step: float, cpu_step: float) -> dict:
+        """Advantages, training and weight push of a collected step; returns the step's metrics."""
+        cfg = self.config
+        collector, gen, times = collected.collector, collected.gen, collected.times
+        if collected.logprobs_deferred:
+            t0 = time.monotonic()
+            try:
+                await collector.finish()  # old log-probs under the weights this step trains
+            except BaseException:
+                await collector.cancel()
+                raise
+            times["logprobs"] = time.monotonic() - t0
         t0 = time.monotonic()
         samples = collector.kept_samples(max_groups=cfg.rollout_batch_size)
+        samples, staleness = admit_fresh(samples, cfg.n_samples_per_prompt, self.state.weight_version,
+                                         cfg.max_staleness if cfg.async_train else 0, cfg.staleness_policy)
         batch = self._advantages(samples)
         times["advantages"] = time.monotonic() - t0
         # ---- train ----
@@ -483,14 +527,19 @@ class Trainer:
         times["push"] = time.monotonic() - t0
         # ---- bookkeeping ----
         self.state.global_step = step
-        self.state.episode, self.state.data_position = self.stream.state()
+        # Where the data stood after this step's prompts (async: later steps have taken more since).
+        self.state.episode, self.state.data_position = collected.stream_position
         self.state.prompts_consumed += gen["prompts_consumed"]
         self.state.samples_trained += batch["count"]
         step_s = time.monotonic() - t_step
         # CPU the coordinator itself used during the step (all its threads): its real cost on a
         # machine it shares with the services, whichever phase it falls in.
         times["coordinator_cpu"] = time.process_time() - cpu_step
-        return self._step_metrics(step, collector, samples, batch, gen, train_metrics, push_metrics, times, step_s)
+        metrics = self._step_metrics(step, collector, samples, batch, gen, train_metrics, push_metrics, times, step_s)
+        metrics.update(staleness)
+        if self.agents is not None:
+            metrics.update(self.agents.step_metrics(collector.all_samples()))
+        return metrics
 
     async def _sleep_rollout(self) -> None:
         try:
@@ -532,8 +581,14 @@ class Trainer:
         exp = learner_pb2.ExperienceBatch(
             input_ids=ragged_to_proto([s.sequence for s in samples], torch.int32),
             response_start=to_proto(torch.tensor([s.response_start for s in samples], dtype=torch.int64)))
+        if any(s.action_mask is not None for s in samples):  # multi-turn: environment tokens are not trained
+            exp.action_mask.CopyFrom(ragged_to_proto(
+                [s.action_mask if s.action_mask is not None else torch.ones(len(s.response_ids), dtype=torch.uint8)
+                 for s in samples], torch.uint8))
         if actor:
             exp.old_logprobs.CopyFrom(ragged_to_proto([s.old_logprobs for s in samples], torch.float32))
+            if self.config.use_tis:
+                exp.rollout_logprobs.CopyFrom(ragged_to_proto([s.rollout_logprobs for s in samples], torch.float32))
             exp.advantages.CopyFrom(ragged_to_proto(rows(batch["advantages"]), torch.float32))
             if self.use_ref and self.config.use_kl_loss and self.state.kl_coef > 0:
                 exp.ref_logprobs.CopyFrom(ragged_to_proto([s.ref_logprobs for s in samples], torch.float32))
@@ -553,7 +608,7 @@ class Trainer:
             kl_coef=self.state.kl_coef if (cfg.use_kl_loss and self.use_ref) else 0.0,
             kl_estimator=KL_ESTIMATORS[cfg.kl_estimator], entropy_coef=cfg.entropy_loss_coef,
             loss_aggregation=LOSS_LEVELS[level], policy_loss_aggregation=LOSS_LEVELS[policy_level],
-            temperature=cfg.temperature)
+            temperature=cfg.temperature, tis_cap=cfg.tis_cap if cfg.use_tis else 0.0)
         seed = _step_seed(cfg.seed, step, "shuffle")
         calls = [self.learner.TrainActor(learner_pb2.TrainActorRequest(
             batch=self._experience(batch, actor=True), loss=loss, max_epochs=cfg.max_epochs, shuffle_seed=seed,
@@ -569,6 +624,8 @@ class Trainer:
                "actor/clip_ratio": actor.clip_ratio, "actor/ppo_kl": actor.ppo_kl, "actor/grad_norm": actor.grad_norm,
                "actor/lr": actor.learning_rate, "actor/optimizer_steps": actor.optimizer_steps,
                "actor/skipped_steps": actor.skipped_steps, "actor/tokens": actor.tokens}
+        if cfg.use_tis:
+            out["actor/tis_weight_mean"] = actor.tis_weight_mean
         if self.use_critic:
             critic = replies[1]
             out.update({"critic/value_loss": critic.value_loss, "critic/values_mean": critic.values_mean,
@@ -701,7 +758,8 @@ class Trainer:
             if c.stop_requested or (cfg.max_steps and step >= cfg.max_steps):
                 break
             try:
-                metrics = await self.train_step(step + 1)
+                steps = self if self.async_steps is None else self.async_steps
+                metrics = await steps.train_step(step + 1)
                 if metrics is None:
                     break
                 saving = ((cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0)

@@ -230,6 +230,7 @@ class LearnerRank:
         policy_level = loss_cfg.get("policy_level", level)
         temperature = loss_cfg["temperature"]
         kl_coef, entropy_coef = loss_cfg["kl_coef"], loss_cfg["entropy_coef"]
+        tis_cap = loss_cfg.get("tis_cap", 0.0)
 
         def micro_loss(mb: MicroBatch, step: StepPlan):
             # Each term is normalised by the global batch's count of its own unit (tokens or
@@ -238,14 +239,19 @@ class LearnerRank:
             policy_normalizer = step.tokens if policy_level == "token" else step.sequences
             mask = mb.action_mask
             logp, entropy = self._actor_outputs(mb, temperature, entropy_coef != 0)
+            # TIS: the rollout engine's log-probs are the behaviour policy (async lag, other kernels).
+            is_weights = (rl_math.truncated_is_weights(mb.fields["old_logprobs"], mb.fields["rollout_logprobs"], mask,
+                                                       tis_cap) if tis_cap > 0 else None)
             out = rl_math.policy_loss(logp, mb.fields["old_logprobs"], mb.fields["advantages"], mask,
                                       eps_low=loss_cfg["eps_low"], eps_high=loss_cfg["eps_high"],
                                       dual_clip=loss_cfg["dual_clip"], ratio_type=loss_cfg["ratio_type"],
-                                      level=policy_level, normalizer=policy_normalizer)
+                                      level=policy_level, normalizer=policy_normalizer, is_weights=is_weights)
             loss = out.loss
             tokens = float(mask.sum())
             stats = {"policy_loss": float(out.loss.detach()), "clip_ratio": float(out.clip_ratio) * tokens,
                      "ppo_kl": float(out.ppo_kl) * tokens, "tokens": tokens}
+            if is_weights is not None:
+                stats["tis_weight"] = float(is_weights.sum())  # a mean per token once divided by tokens
             if kl_coef > 0:
                 kl = rl_math.kl_loss(logp, mb.fields["ref_logprobs"], mask, loss_cfg["kl_estimator"], level,
                                      normalizer)

@@ -234,7 +234,11 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                                    "use PPO or GSPO")
         if loss.kl_estimator not in _KL_ESTIMATORS:
             raise invalid_argument("loss.kl_estimator", None, f"unknown value {loss.kl_estimator}", "use K1, K2 or K3")
+        tis_cap = _finite("loss.tis_cap", loss.tis_cap, 0.0)
+        if 0 < tis_cap < 1:
+            raise invalid_argument("loss.tis_cap", None, f"{tis_cap} must be >= 1", "send e.g. 2, or 0 to disable TIS")
         return {
+            "tis_cap": tis_cap,
             "eps_low": eps_low, "eps_high": eps_high, "dual_clip": dual_clip,
             "ratio_type": "sequence" if loss.policy_loss_type == learner_pb2.POLICY_LOSS_TYPE_GSPO else "token",
             "kl_coef": _finite("loss.kl_coef", loss.kl_coef, 0.0), "kl_estimator": _KL_ESTIMATORS[loss.kl_estimator],
@@ -276,6 +280,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         with self._timed("TrainActor") as timer:
             loss = self._actor_loss(request.loss)
             required = ["old_logprobs", "advantages"] + (["ref_logprobs"] if loss["kl_coef"] > 0 else [])
+            required += ["rollout_logprobs"] if loss["tis_cap"] > 0 else []
             samples = decode_experience(request.batch, required, self.rank0.vocab_size, self.rank0.max_len)
             plans = self._plan(samples, _epochs(request.max_epochs), request.shuffle_seed)
             async with self._weights_lock:
@@ -288,6 +293,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                 entropy=totals.get("entropy", 0.0) / kept, clip_ratio=totals.get("clip_ratio", 0.0) / tokens,
                 ppo_kl=totals.get("ppo_kl", 0.0) / tokens, grad_norm=c["grad_norm"], learning_rate=c["lr"],
                 optimizer_steps=c["kept"], skipped_steps=c["steps"] - c["kept"], tokens=int(c["tokens"]),
+                tis_weight_mean=totals.get("tis_weight", 0.0) / tokens,
                 actor_global_step=c["global_step"], duration_s=timer.elapsed)
             POLICY_LOSS.set(response.policy_loss)
             KL.set(response.kl_loss)

@@ -119,7 +119,7 @@ class ValuesResponse(_message.Message):
     def __init__(self, values: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., critic_global_step: _Optional[int] = ...) -> None: ...
 
 class ExperienceBatch(_message.Message):
-    __slots__ = ("input_ids", "response_start", "action_mask", "old_logprobs", "advantages", "ref_logprobs", "returns", "old_values")
+    __slots__ = ("input_ids", "response_start", "action_mask", "old_logprobs", "advantages", "ref_logprobs", "returns", "old_values", "rollout_logprobs")
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_START_FIELD_NUMBER: _ClassVar[int]
     ACTION_MASK_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,7 @@ class ExperienceBatch(_message.Message):
     REF_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     RETURNS_FIELD_NUMBER: _ClassVar[int]
     OLD_VALUES_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     input_ids: _common_pb2.RaggedTensor
     response_start: _common_pb2.Tensor
     action_mask: _common_pb2.RaggedTensor
@@ -136,10 +137,11 @@ class ExperienceBatch(_message.Message):
     ref_logprobs: _common_pb2.RaggedTensor
     returns: _common_pb2.RaggedTensor
     old_values: _common_pb2.RaggedTensor
-    def __init__(self, input_ids: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., response_start: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., action_mask: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., old_logprobs: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., advantages: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., ref_logprobs: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., returns: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., old_values: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ...) -> None: ...
+    rollout_logprobs: _common_pb2.RaggedTensor
+    def __init__(self, input_ids: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., response_start: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., action_mask: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., old_logprobs: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., advantages: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., ref_logprobs: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., returns: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., old_values: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., rollout_logprobs: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ...) -> None: ...
 
 class ActorLoss(_message.Message):
-    __slots__ = ("policy_loss_type", "eps_clip_low", "eps_clip_high", "dual_clip", "kl_coef", "kl_estimator", "entropy_coef", "loss_aggregation", "temperature", "policy_loss_aggregation")
+    __slots__ = ("policy_loss_type", "eps_clip_low", "eps_clip_high", "dual_clip", "kl_coef", "kl_estimator", "entropy_coef", "loss_aggregation", "temperature", "policy_loss_aggregation", "tis_cap")
     POLICY_LOSS_TYPE_FIELD_NUMBER: _ClassVar[int]
     EPS_CLIP_LOW_FIELD_NUMBER: _ClassVar[int]
     EPS_CLIP_HIGH_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +152,7 @@ class ActorLoss(_message.Message):
     LOSS_AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     POLICY_LOSS_AGGREGATION_FIELD_NUMBER: _ClassVar[int]
+    TIS_CAP_FIELD_NUMBER: _ClassVar[int]
     policy_loss_type: PolicyLossType
     eps_clip_low: float
     eps_clip_high: float
@@ -160,7 +163,8 @@ class ActorLoss(_message.Message):
     loss_aggregation: LossAggregation
     temperature: float
     policy_loss_aggregation: LossAggregation
-    def __init__(self, policy_loss_type: _Optional[_Union[PolicyLossType, str]] = ..., eps_clip_low: _Optional[float] = ..., eps_clip_high: _Optional[float] = ..., dual_clip: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[_Union[KLEstimator, str]] = ..., entropy_coef: _Optional[float] = ..., loss_aggregation: _Optional[_Union[LossAggregation, str]] = ..., temperature: _Optional[float] = ..., policy_loss_aggregation: _Optional[_Union[LossAggregation, str]] = ...) -> None: ...
+    tis_cap: float
+    def __init__(self, policy_loss_type: _Optional[_Union[PolicyLossType, str]] = ..., eps_clip_low: _Optional[float] = ..., eps_clip_high: _Optional[float] = ..., dual_clip: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[_Union[KLEstimator, str]] = ..., entropy_coef: _Optional[float] = ..., loss_aggregation: _Optional[_Union[LossAggregation, str]] = ..., temperature: _Optional[float] = ..., policy_loss_aggregation: _Optional[_Union[LossAggregation, str]] = ..., tis_cap: _Optional[float] = ...) -> None: ...
 
 class TrainActorRequest(_message.Message):
     __slots__ = ("batch", "loss", "max_epochs", "shuffle_seed", "request_id")
@@ -177,7 +181,7 @@ class TrainActorRequest(_message.Message):
     def __init__(self, batch: _Optional[_Union[ExperienceBatch, _Mapping]] = ..., loss: _Optional[_Union[ActorLoss, _Mapping]] = ..., max_epochs: _Optional[int] = ..., shuffle_seed: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class TrainActorResponse(_message.Message):
-    __slots__ = ("policy_loss", "kl_loss", "entropy", "clip_ratio", "ppo_kl", "grad_norm", "learning_rate", "optimizer_steps", "skipped_steps", "tokens", "actor_global_step", "duration_s")
+    __slots__ = ("policy_loss", "kl_loss", "entropy", "clip_ratio", "ppo_kl", "grad_norm", "learning_rate", "optimizer_steps", "skipped_steps", "tokens", "actor_global_step", "duration_s", "tis_weight_mean")
     POLICY_LOSS_FIELD_NUMBER: _ClassVar[int]
     KL_LOSS_FIELD_NUMBER: _ClassVar[int]
     ENTROPY_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +194,7 @@ class TrainActorResponse(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACTOR_GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    TIS_WEIGHT_MEAN_FIELD_NUMBER: _ClassVar[int]
     policy_loss: float
     kl_loss: float
     entropy: float
@@ -202,7 +207,8 @@ class TrainActorResponse(_message.Message):
     tokens: int
     actor_global_step: int
     duration_s: float
-    def __init__(self, policy_loss: _Optional[float] = ..., kl_loss: _Optional[float] = ..., entropy: _Optional[float] = ..., clip_ratio: _Optional[float] = ..., ppo_kl: _Optional[float] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., optimizer_steps: _Optional[int] = ..., skipped_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., actor_global_step: _Optional[int] = ..., duration_s: _Optional[float] = ...) -> None: ...
+    tis_weight_mean: float
+    def __init__(self, policy_loss: _Optional[float] = ..., kl_loss: _Optional[float] = ..., entropy: _Optional[float] = ..., clip_ratio: _Optional[float] = ..., ppo_kl: _Optional[float] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., optimizer_steps: _Optional[int] = ..., skipped_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., actor_global_step: _Optional[int] = ..., duration_s: _Optional[float] = ..., tis_weight_mean: _Optional[float] = ...) -> None: ...
 
 class TrainCriticRequest(_message.Message):
     __slots__ = ("batch", "value_clip", "loss_aggregation", "max_epochs", "shuffle_seed", "request_id")
