@@ -59,7 +59,9 @@ def main() -> int:
 
     rng = random.Random(args.seed)
     completed = 0
-    header = f"{'trial':>5}  {'killed':<13} {'when':<22} {'at_s':>6}  {'finished':<8} {'redone':>6}  {'restarts':>8}  {'same as baseline':<16} {'run_s':>6}"
+    restart_s: dict[str, list[float]] = {}
+    header = (f"{'trial':>5}  {'killed':<13} {'when':<22} {'at_s':>6}  {'finished':<8} {'redone':>6}  {'restarts':>8}  "
+              f"{'restart_s':>9}  {'same as baseline':<16} {'run_s':>6}")
     print(header)
     for n in range(1, args.trials + 1):
         kill = Kill(rng.choice(SERVICES), rng.choice(PHASES), rng.randint(1, args.steps), round(rng.uniform(0, 0.5), 2))
@@ -75,11 +77,21 @@ def main() -> int:
         # A coordinator kill redoes what its checkpoint did not hold; the learner's rewind says so itself.
         redone = trial.redone_steps
         at = f"{trial.killed_at_s[0]:6.1f}" if trial.killed_at_s else "  miss"
+        # From the death noticed to serving again (back-off included); a killed coordinator: none.
+        seconds = [e["since_death_s"] for e in trial.events if e["event"] == "service.restarted"]
+        for e in trial.events:
+            if e["event"] == "service.restarted":
+                restart_s.setdefault(e["service"].rsplit("-", 1)[0] if e["service"] != "learner" else "learner",
+                                     []).append(e["since_death_s"])
         print(f"{n:>5}  {kill.service:<13} {f'{kill.phase} step {kill.step} +{kill.delay_s}s':<22} {at}  "
               f"{'yes' if finished else 'NO':<8} {redone:>6}  {trial.count('service.restarted'):>8}  "
-              f"{'yes' if same else 'NO':<16} {trial.seconds:6.0f}")
+              f"{(f'{max(seconds):.1f}' if seconds else '-'):>9}  {'yes' if same else 'NO':<16} {trial.seconds:6.0f}")
         if not same:
             print(f"       {'; '.join(diffs[:3]) or trial.log[-1500:]}")
+    for service, values in sorted(restart_s.items()):
+        values.sort()
+        print(f"restart time {service}: median {values[len(values) // 2]:.1f} s, range {values[0]:.1f}-{values[-1]:.1f} s "
+              f"over {len(values)} restarts")
     print(f"completed {completed}/{args.trials} (baseline + trials: {time.monotonic() - t0:.0f} s)")
     return 0 if completed == args.trials else 1
 

@@ -37,6 +37,10 @@ from services.coordinator.supervisor import RECOVERED_SAMPLES, REDONE_STEPS, SER
 DEATH_GRACE_S = 3.0
 
 
+class LearnerRestarted(RuntimeError):
+    """The learner lost its state since the last step: the loop rewinds to the checkpoint."""
+
+
 class Recovery:
     """Binds a Trainer to a Supervisor: swaps clients on restarts and repairs the step."""
 
@@ -99,14 +103,8 @@ class Recovery:
             t.references.replace(i, instance.address)
             t.endpoints.reference[i] = instance.address
         if "learner" in instance.roles:
-            from services.coordinator.trainer import LEARNER_IDEMPOTENT, LEARNER_SERVICE
-
-            old = t.learner_channel
-            t.learner_channel = make_channel(instance.address, LEARNER_SERVICE, idempotent_methods=LEARNER_IDEMPOTENT,
-                                             default_timeout_s=cfg.rpc_timeout_s, max_message_mb=cfg.max_message_mb)
-            t.learner = learner_pb2_grpc.LearnerServiceStub(t.learner_channel)
-            t.endpoints.learner = instance.address
-            asyncio.ensure_future(old.close())
+            # The loop keeps calling the dead address (and failing) until it has rewound: a call to
+            # the restarted learner before it loaded the checkpoint would use --pretrain's weights.
             self.learner_restarted = True
         self.refresh_status()
 
@@ -172,6 +170,17 @@ class Recovery:
         """At a step's start: fail if a service gave up; admit restarted engines; with no engine
         admitted, wait for one."""
         self.sup.raise_if_failed()
+        if self.learner_restarted:
+            raise LearnerRestarted("the learner restarted since the last step")
+        # A learner restarted faster than a health check notices (static placement: same address)
+        # no longer holds the last pushed version.
+        info = await self.t.learner.GetInfo(learner_pb2.GetInfoRequest(), timeout=60.0)
+        if info.weight_version != self.t.state.weight_version:
+            self.learner_restarted = True
+            self.sup.event("learner.lost_state", learner_version=info.weight_version,
+                           expected=self.t.state.weight_version, action="rewind to the last checkpoint")
+            raise LearnerRestarted(f"the learner holds weight version {info.weight_version}, not "
+                                   f"{self.t.state.weight_version}: it restarted")
         if not self.t.pool.admitted():
             await self.wait_for_engine()
         elif any(e.syncing for e in self._members()):
@@ -246,11 +255,26 @@ class Recovery:
         self.sup.event("step.retried", step=step + 1, lost_samples=t.lost_samples)
         return step
 
+    def _connect_learner(self) -> None:
+        from services.coordinator.trainer import LEARNER_IDEMPOTENT, LEARNER_SERVICE
+
+        t, cfg = self.t, self.config
+        address = self.sup.instances["learner"].address
+        if address == t.endpoints.learner and t.learner_channel is not None:
+            return  # static placement: the same address again
+        old = t.learner_channel
+        t.learner_channel = make_channel(address, LEARNER_SERVICE, idempotent_methods=LEARNER_IDEMPOTENT,
+                                         default_timeout_s=cfg.rpc_timeout_s, max_message_mb=cfg.max_message_mb)
+        t.learner = learner_pb2_grpc.LearnerServiceStub(t.learner_channel)
+        t.endpoints.learner = address
+        asyncio.ensure_future(old.close())
+
     async def _rewind(self, step: int) -> int:
         """The restarted learner loads the newest complete checkpoint; the loop goes back to it."""
         from services.coordinator.trainer import new_state
 
         t, cfg, c = self.t, self.config, self.t.control
+        self._connect_learner()
         self.learner_restarted = False
         t.learner_offloaded = False
         t.learner_info = await t.learner.GetInfo(learner_pb2.GetInfoRequest(), timeout=60.0)
