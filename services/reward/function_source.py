@@ -20,9 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import multiprocessing
+import os
+import pathlib
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 
 import grpc
 
@@ -31,6 +35,9 @@ from services.common.errors import ServiceError
 from services.reward import function_worker, metrics
 from services.reward.source import InvalidScores, RewardSource, ScoreBatch, SourceScores, invalid_response, \
     scores_from_payload
+
+
+_REPO = pathlib.Path(__file__).resolve().parents[2]  # where workers import services.reward.function_worker from
 
 
 def load_reward_func(path: str) -> Callable:
@@ -42,15 +49,32 @@ def load_reward_func(path: str) -> Callable:
 
 
 class _Worker:
-    """One worker process and the parent's end of its pipe. Its blocking methods run in threads."""
+    """One worker process (function_worker.py) and the parent's ends of its two pipes.
 
-    def __init__(self, target, origin: str):
-        ctx = multiprocessing.get_context("spawn")  # never a fork of this threaded (gRPC, torch) process
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=function_worker.serve, args=(child, target), daemon=True,
-                                   name=f"reward-func:{origin}")
-        self.process.start()
-        child.close()
+    A plain subprocess, not multiprocessing: a spawned multiprocessing child imports the service's
+    __main__ again (torch, gRPC: ~230 MB and seconds per worker); this one imports only the worker
+    module and the user's code. Its blocking methods run in threads.
+    """
+
+    def __init__(self, target: tuple):
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO), env.get("PYTHONPATH", "")) if p)
+        try:
+            self.process = subprocess.Popen([sys.executable, "-m", "services.reward.function_worker",
+                                             str(to_child_r), str(from_child_w)],
+                                            pass_fds=(to_child_r, from_child_w), env=env, stdin=subprocess.DEVNULL)
+        finally:
+            os.close(to_child_r)
+            os.close(from_child_w)
+        self.send_conn = Connection(to_child_w, readable=False)
+        self.recv_conn = Connection(from_child_r, writable=False)
+        self.optional: list[str] = []
+        self.send_conn.send(target)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
 
     def wait_ready(self, timeout_s: float) -> tuple:
         """("ready", optional args) | ("failed", why) | ("timeout",) | ("died", exit code)."""
@@ -59,31 +83,37 @@ class _Worker:
     def call(self, request: tuple, timeout_s: float) -> tuple:
         """Sends one call and waits for its answer; a worker past the limit is killed here."""
         try:
-            self.conn.send(request)
+            self.send_conn.send(request)
         except (OSError, EOFError):
             return self._died()
         return self._receive(timeout_s)
 
     def _receive(self, timeout_s: float) -> tuple:
         try:
-            if not self.conn.poll(timeout_s):
+            if not self.recv_conn.poll(timeout_s):
                 self.kill()
                 return ("timeout",)
-            return self.conn.recv()
+            return self.recv_conn.recv()
         except (EOFError, OSError):
             return self._died()
 
     def _died(self) -> tuple:
-        self.process.join(5)
-        code = self.process.exitcode
+        try:
+            code = self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            code = None
         self.kill()
         return ("died", code)
 
     def kill(self) -> None:
-        if self.process.is_alive():
+        if self.alive():
             self.process.kill()
-        self.process.join(5)
-        self.conn.close()
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            pass  # unkillable for now (stuck in the kernel); nothing waits for it
+        self.send_conn.close()
+        self.recv_conn.close()
 
 
 class FunctionRewardSource(RewardSource):
@@ -95,7 +125,11 @@ class FunctionRewardSource(RewardSource):
                  max_in_flight: int = 4, start_timeout_s: float | None = None):
         """func: the function, or the path of a file defining reward_func. The first worker starts here
         (so a file that does not import is a ConfigError before the service serves)."""
-        self.target = func
+        try:
+            self.target = function_worker.target_of(func)
+        except ValueError as exc:
+            raise ConfigError(f"reward function {origin}: {exc}; define it at module level, so that worker "
+                              "processes can import it") from None
         self.origin = origin
         self.timeout_s = timeout_s
         self.batch_size = batch_size
@@ -123,7 +157,7 @@ class FunctionRewardSource(RewardSource):
 
     def _start_worker(self) -> _Worker:
         """Starts a worker and waits until it imported the function (blocking; ConfigError if it cannot)."""
-        worker = _Worker(self.target, self.origin)
+        worker = _Worker(self.target)
         reply = worker.wait_ready(self.start_timeout_s)
         if reply[0] == "ready":
             worker.optional = reply[1]
@@ -138,7 +172,7 @@ class FunctionRewardSource(RewardSource):
                               f"within {self.start_timeout_s:g} s; make the import faster or raise "
                               "--reward_func_timeout_s")
         raise ConfigError(f"reward function {self.origin}: its worker process exited with code {reply[1]} while "
-                          "importing it; run the file with python to see why")
+                          "importing it; its output above, or running the file with python, says why")
 
     async def start(self) -> None:
         # The condition belongs to one event loop; tests and tools may call from a new one each time.
@@ -173,7 +207,7 @@ class FunctionRewardSource(RewardSource):
     async def _release(self, worker: _Worker | None) -> None:
         """Back to the idle list, or (None, or a worker that was killed) one live worker fewer."""
         async with self._freed:
-            if worker is not None and worker.process.is_alive() and not self._closed:
+            if worker is not None and worker.alive() and not self._closed:
                 self._idle.append(worker)
             else:
                 if worker is not None:

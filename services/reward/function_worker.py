@@ -1,19 +1,29 @@
 """The side of reward function calls that runs inside a worker process (see function_source.py).
 
-A worker imports the reward function once (from its file, or by reference for a function handed
-over in Python), then answers calls over a pipe, each in the process's main thread, so that code
-which times out with SIGALRM (math-verify, timeout_decorator, ...) works as it does in a script.
-Results travel back as plain Python (tensors and arrays become lists), so the parent never depends
-on what the user's code imported. This module imports nothing heavy: workers start fast.
+    python -m services.reward.function_worker READ_FD WRITE_FD
+
+A worker is a fresh interpreter that imports only this module and the reward function: from its
+file, or by module and name for a function handed over in Python. It answers calls over two pipes,
+each in its main thread, so that code which times out with SIGALRM (math-verify,
+timeout_decorator, ...) works as it does in a script. Results travel back as plain Python (tensors
+and arrays become lists), so the parent never depends on what the user's code imported. This
+module imports nothing heavy, and the service's own modules are not imported again: a worker
+starts in a fraction of a second plus the user's imports.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import inspect
+import os
 import pathlib
+import runpy
+import signal
+import sys
 import traceback
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 
 OPTIONAL_ARGUMENTS = ("responses", "sample_ids", "data_sources")
 _TRACEBACK_CHARS = 2000  # tail of a user traceback quoted in the error
@@ -65,22 +75,56 @@ def plain(value):
     return value
 
 
-def serve(conn, target) -> None:
-    """Worker process main: load the function, report ("ready", optional args), then answer calls.
+def target_of(func: Callable | str) -> tuple:
+    """How a worker finds the function: ("file", path) for a reward function file, ("module", name,
+    qualname) or ("script", path, qualname) for a function defined at module level; ValueError else."""
+    if isinstance(func, str):
+        return ("file", func)
+    module, qualname = getattr(func, "__module__", None), getattr(func, "__qualname__", "")
+    if not module or not qualname or "<" in qualname:  # <lambda>, <locals>
+        raise ValueError(f"{qualname or func!r} is not defined at module level")
+    if module != "__main__":
+        return ("module", module, qualname)
+    main = sys.modules["__main__"]
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:  # python -m package.module
+        return ("module", spec.name, qualname)
+    if getattr(main, "__file__", None):  # python script.py
+        return ("script", os.path.abspath(main.__file__), qualname)
+    raise ValueError(f"{qualname} is defined in an interactive session, which a worker cannot import")
 
-    target is a file path (str) or the function itself. Each request is (queries, prompts, labels,
-    kwargs); each reply is ("ok", plain result) or ("error", type name, message, traceback tail,
-    gRPC status name or "" ). A closed pipe (the service went away) ends the worker.
+
+def load_target(target: tuple) -> Callable:
+    if target[0] == "file":
+        return load_reward_func(target[1])
+    if target[0] == "module":
+        namespace = vars(importlib.import_module(target[1]))
+    else:  # a script: run it under another name, so that its `if __name__ == "__main__":` part stays out
+        namespace = runpy.run_path(target[1], run_name="__rlmesh_reward_worker__")
+    *outer, name = target[2].split(".")
+    obj = namespace[outer[0]] if outer else namespace[name]
+    for part in outer[1:] + ([name] if outer else []):
+        obj = getattr(obj, part)
+    return obj
+
+
+def serve(receive: Connection, send: Connection) -> None:
+    """Worker main: load the function the first message names, report ("ready", optional args), then
+    answer calls.
+
+    Each request is (queries, prompts, labels, kwargs); each reply is ("ok", plain result) or
+    ("error", type name, message, traceback tail, gRPC status name or ""). A closed pipe (the
+    service went away) ends the worker.
     """
     try:
-        func = load_reward_func(target) if isinstance(target, str) else target
-        conn.send(("ready", optional_arguments(func)))
+        func = load_target(receive.recv())
+        send.send(("ready", optional_arguments(func)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails the start
-        conn.send(("failed", str(exc) if isinstance(exc, ImportProblem) else f"{type(exc).__name__}: {exc}"))
+        send.send(("failed", str(exc) if isinstance(exc, ImportProblem) else f"{type(exc).__name__}: {exc}"))
         return
     while True:
         try:
-            queries, prompts, labels, kwargs = conn.recv()
+            queries, prompts, labels, kwargs = receive.recv()
         except (EOFError, OSError):
             return
         try:
@@ -92,6 +136,14 @@ def serve(conn, target) -> None:
             reply = ("error", type(exc).__name__, message or str(exc),
                      traceback.format_exc()[-_TRACEBACK_CHARS:], status)
         try:
-            conn.send(reply)
+            send.send(reply)
+        except (BrokenPipeError, EOFError):
+            return
         except Exception as exc:  # noqa: BLE001 - e.g. an answer that cannot be pickled
-            conn.send(("error", type(exc).__name__, f"its answer could not be sent back: {exc}", "", ""))
+            send.send(("error", type(exc).__name__, f"its answer could not be sent back: {exc}", "", ""))
+
+
+if __name__ == "__main__":
+    # Ctrl-C in a terminal reaches the whole process group: the service stops its workers itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    serve(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False))

@@ -1,7 +1,10 @@
 """Reward function files: loading, arguments, return forms, worker processes, time limits, errors."""
 
 import asyncio
+import os
 import pathlib
+import subprocess
+import sys
 import time
 
 import grpc
@@ -216,3 +219,26 @@ def test_one_sample_calls_may_return_single_numbers(tmp_path):
     assert err.code == grpc.StatusCode.FAILED_PRECONDITION
     assert "'rewards' is one number (1) for 2 samples" in err.message and "--remote_rm_batch_size 1" in err.message
     asyncio.run(source.close())
+
+
+def test_functions_handed_over_in_python_are_imported_by_name_in_the_workers(tmp_path):
+    # A script, as `python my_server.py` runs it with serve_reward_function(reward_func): the workers run
+    # the file under another name (its __main__ part stays out) and take reward_func from it.
+    script = tmp_path / "my_server.py"
+    script.write_text("import asyncio, os, sys\n"
+                      "def reward_func(queries, prompts, labels, **kw):\n"
+                      "    return [float(os.getpid() != PARENT)] * len(queries)\n"
+                      "PARENT = int(os.environ.get('PARENT_PID', '0'))\n"
+                      "if __name__ == '__main__':\n"
+                      "    os.environ['PARENT_PID'] = str(os.getpid())\n"
+                      "    from services.reward.function_source import FunctionRewardSource\n"
+                      "    from services.reward.source import ScoreBatch\n"
+                      "    source = FunctionRewardSource(reward_func, 'reward_func', timeout_s=30)\n"
+                      "    out = asyncio.run(source.score(ScoreBatch.from_texts(['a', 'b'], ['', ''])))\n"
+                      "    print('rewards', out.rewards.tolist())\n")
+    env = {**os.environ, "PYTHONPATH": str(EXAMPLE.parents[1])}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rewards [1.0, 1.0]" in done.stdout  # scored in another process
+    with pytest.raises(ConfigError, match="not defined at module level"):
+        FunctionRewardSource(lambda queries, prompts, labels: [0.0] * len(queries), "lambda", timeout_s=10)
