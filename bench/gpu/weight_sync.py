@@ -183,8 +183,23 @@ def role_copy(args) -> None:
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
+    def timed_sums() -> float:
+        from services.common.weights import ParamSlot, bucket_sums
+
+        # One slot per bucket: the per-byte cost of the push's checksum (each side pays it once).
+        slots = [[ParamSlot("b", torch.uint8, (n,), 0, 0)] for n in buckets]
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for d, members in zip(dst, slots):
+            bucket_sums(d, members)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
     timed()
-    print("RESULT " + json.dumps({"copy": median([timed() for _ in range(max(3, args.repeats))]),
+    timed_sums()
+    repeats = max(3, args.repeats)
+    print("RESULT " + json.dumps({"copy": median([timed() for _ in range(repeats)]),
+                                  "sums": median([timed_sums() for _ in range(repeats)]),
                                   "bytes": sum(buckets)}), flush=True)
 
 
@@ -282,7 +297,7 @@ class Service:
                 self.popen.wait(10)
 
 
-def learner_push(learner_stub, engine, version: int, dtype, bucket_bytes: int) -> tuple[object, float]:
+def learner_push(learner_stub, engine, version: int, dtype, bucket_bytes: int) -> tuple[object, float, float]:
     """The coordinator's side of PushWeights: every chunk forwarded to the engine, then acked."""
     from rlmesh.learner.v1 import learner_pb2 as pb
 
@@ -290,7 +305,7 @@ def learner_push(learner_stub, engine, version: int, dtype, bucket_bytes: int) -
     requests.put(pb.PushWeightsRequest(start=pb.PushWeightsStart(
         version=version, weights_dtype=dtype, bucket_bytes=bucket_bytes)))
     start = time.perf_counter()
-    done, last = None, None
+    done, last, engine_s = None, None, 0.0
     for response in learner_stub.PushWeights(iter(requests.get, None), timeout=900):
         if response.HasField("done"):
             done = response.done
@@ -299,12 +314,13 @@ def learner_push(learner_stub, engine, version: int, dtype, bucket_bytes: int) -
         update = response.chunk.update
         # nccl: the engine joins the broadcast the learner starts after yielding the chunk.
         last = engine.UpdateWeights(update, timeout=900)
+        engine_s += last.duration_s
         requests.put(pb.PushWeightsRequest(ack=pb.PushWeightsAck(chunk_index=update.chunk_index)))
     seconds = time.perf_counter() - start
     if last.weights_checksum != done.weights_checksum or last.weight_version != version:
         raise AssertionError(f"engine reports version {last.weight_version} checksum {last.weights_checksum}; "
                              f"the learner pushed {version} {done.weights_checksum}")
-    return done, seconds
+    return done, seconds, engine_s
 
 
 def check_engine(engine, version: int, checksum: str) -> None:
@@ -355,12 +371,18 @@ def timed_learner_pushes(learner_stub, engine, version: int, bucket_bytes: int, 
     from rlmesh.rollout.v1 import rollout_pb2
 
     info = engine.GetModelInfo(rollout_pb2.GetModelInfoRequest(), timeout=60)
-    times = []
+    times, engine_times, learner_times = [], [], []
     for i in range(repeats + 1):
-        done, seconds = learner_push(learner_stub, engine, version + i, info.weights_dtype, bucket_bytes)
+        done, seconds, engine_s = learner_push(learner_stub, engine, version + i, info.weights_dtype, bucket_bytes)
         check_engine(engine, version + i, done.weights_checksum)
         if i:
             times.append(seconds)
+            engine_times.append(engine_s)
+            learner_times.append(done.duration_s)
+    # Where the time goes: the engine's UpdateWeights handling (receive, load, check) and the
+    # learner's PushWeights (pack, send, check), each as the service measured it.
+    print(f"    end to end {median(times):.4f} s; engine UpdateWeights {median(engine_times):.4f} s; learner "
+          f"PushWeights {median(learner_times):.4f} s (medians)", flush=True)
     return times, version + repeats + 1, done.weights_checksum
 
 
@@ -383,6 +405,7 @@ def bench_model(shape: str, args, tmp: pathlib.Path, two_gpus: bool) -> list[tup
                  ("(d) plain NCCL broadcast, one per parameter", plain["per_parameter"], plain["bytes"])]
     copy = run_child("copy", engine_gpu, args)
     rows.append(("(a) plain device-to-device copy, one GPU", copy["copy"], copy["bytes"]))
+    rows.append(("checksum sums of the same bytes, one GPU", copy["sums"], copy["bytes"]))
     for r in rows:
         print(f"[{shape}] {r[0]}: {r[1]:.4f} s", flush=True)
 
