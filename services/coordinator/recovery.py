@@ -173,9 +173,10 @@ class Recovery:
         if self.learner_restarted:
             raise LearnerRestarted("the learner restarted since the last step")
         # A learner restarted faster than a health check notices (static placement: same address)
-        # no longer holds the last pushed version.
+        # no longer holds the last pushed version. (Newer is fine: with --async_train a push may be
+        # under way while the next step starts.)
         info = await self.t.learner.GetInfo(learner_pb2.GetInfoRequest(), timeout=60.0)
-        if info.weight_version != self.t.state.weight_version:
+        if info.weight_version < self.t.state.weight_version:
             self.learner_restarted = True
             self.sup.event("learner.lost_state", learner_version=info.weight_version,
                            expected=self.t.state.weight_version, action="rewind to the last checkpoint")
