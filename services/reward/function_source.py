@@ -140,6 +140,7 @@ class FunctionRewardSource(RewardSource):
         self._threads = concurrent.futures.ThreadPoolExecutor(max_in_flight + 1, thread_name_prefix="reward-func")
         self._idle: list[_Worker] = []
         self._live = 0
+        self._workers: set[_Worker] = set()  # every started worker, idle or busy, for close()
         self._freed: asyncio.Condition | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -161,6 +162,7 @@ class FunctionRewardSource(RewardSource):
         reply = worker.wait_ready(self.start_timeout_s)
         if reply[0] == "ready":
             worker.optional = reply[1]
+            self._workers.add(worker)
             return worker
         worker.kill()
         if reply[0] == "failed":
@@ -184,7 +186,10 @@ class FunctionRewardSource(RewardSource):
         idle, self._idle = self._idle, []
         for worker in idle:
             worker.kill()
-        # Busy workers are killed when their call returns (see _release); daemon processes never outlive us.
+        # A busy worker may be stuck in user code: kill it, and the thread waiting on it sees its pipe close.
+        for worker in list(self._workers):
+            if worker.alive():
+                worker.process.kill()
         self._threads.shutdown(wait=False, cancel_futures=True)
 
     async def _acquire(self) -> _Worker:
@@ -212,6 +217,7 @@ class FunctionRewardSource(RewardSource):
             else:
                 if worker is not None:
                     worker.kill()
+                    self._workers.discard(worker)
                 self._live -= 1
             self._freed.notify()
 

@@ -21,6 +21,8 @@ import pathlib
 import runpy
 import signal
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -143,7 +145,21 @@ def serve(receive: Connection, send: Connection) -> None:
             send.send(("error", type(exc).__name__, f"its answer could not be sent back: {exc}", "", ""))
 
 
+def exit_with_parent(interval_s: float = 1.0) -> None:
+    """Ends this worker when the service that started it is gone (even killed, or while user code
+    is stuck), since nothing else would: the worker is reparented, so its parent id changes."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
 if __name__ == "__main__":
     # Ctrl-C in a terminal reaches the whole process group: the service stops its workers itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent()
     serve(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False))

@@ -242,3 +242,39 @@ def test_functions_handed_over_in_python_are_imported_by_name_in_the_workers(tmp
     assert "rewards [1.0, 1.0]" in done.stdout  # scored in another process
     with pytest.raises(ConfigError, match="not defined at module level"):
         FunctionRewardSource(lambda queries, prompts, labels: [0.0] * len(queries), "lambda", timeout_s=10)
+
+
+def test_a_stuck_worker_ends_when_the_service_is_killed(tmp_path):
+    """Nothing can stop a worker stuck in user code once its service is SIGKILLed; it notices and exits."""
+    import signal
+
+    hang = write(tmp_path, "import time\n"
+                           "def reward_func(queries, prompts, labels, **kw):\n"
+                           "    time.sleep(3600)\n")
+    script = tmp_path / "service.py"
+    script.write_text("import asyncio, sys\n"
+                      "from services.reward.function_source import FunctionRewardSource\n"
+                      "from services.reward.source import ScoreBatch\n"
+                      f"source = FunctionRewardSource.from_file({hang!r}, timeout_s=3600)\n"
+                      "print('worker', source._idle[0].process.pid, flush=True)\n"
+                      "asyncio.run(source.score(ScoreBatch.from_texts(['a'], [''])))\n")
+    env = {**os.environ, "PYTHONPATH": str(EXAMPLE.parents[1])}
+    service = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        worker = int(service.stdout.readline().split()[1])
+        time.sleep(1.0)  # the call is running in the worker
+        os.kill(service.pid, signal.SIGKILL)
+        service.wait(10)
+        deadline = time.monotonic() + 15
+        status = pathlib.Path(f"/proc/{worker}/status")
+        while time.monotonic() < deadline:
+            try:
+                if "\nState:\tZ" in status.read_text():  # exited; the init process has yet to reap it
+                    return
+            except FileNotFoundError:
+                return
+            time.sleep(0.2)
+        pytest.fail(f"worker {worker} outlived its killed service")
+    finally:
+        if service.poll() is None:
+            service.kill()
