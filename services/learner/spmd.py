@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import json
 import datetime
 import os
 import pickle
@@ -185,6 +186,18 @@ class RankFailure:
         return cls(rank, type(exc).__name__, message, traceback.format_exc(), code)
 
 
+def store_message(kind: str, value) -> bytes:
+    """A status or setup message for the rendezvous store, as JSON: the store has no authentication
+    (anyone who reaches its port can write keys; on one machine it listens on loopback only), so
+    nothing read from it is unpickled, which would run whatever code a forged key carried."""
+    return json.dumps([kind, dataclasses.asdict(value) if isinstance(value, RankFailure) else value]).encode()
+
+
+def read_store_message(data: bytes) -> tuple[str, object]:
+    kind, value = json.loads(data)
+    return kind, RankFailure(**value) if kind == "error" else value
+
+
 class GroupError(Exception):
     """A command failed on some rank. `fatal`: the ranks may be out of step; the learner must stop."""
 
@@ -291,7 +304,7 @@ def serve_worker(spec: RankSpec, store: dist.TCPStore, setup: Callable[[], tuple
         else:
             name, payload = pickle.loads(_recv_bytes(0, group, tag=seq))
         if name == SHUTDOWN:
-            store.set(f"status/{seq}/{spec.rank}", pickle.dumps(("ok", 0)))
+            store.set(f"status/{seq}/{spec.rank}", store_message("ok", 0))
             return
         try:
             if seq == 1:
@@ -301,14 +314,14 @@ def serve_worker(spec: RankSpec, store: dist.TCPStore, setup: Callable[[], tuple
                 CANCEL.begin(store, seq, spec.rank)
                 result = execute(name, payload)
             data = pickle.dumps(result)
-            store.set(f"status/{seq}/{spec.rank}", pickle.dumps(("ok", len(data))))
+            store.set(f"status/{seq}/{spec.rank}", store_message("ok", len(data)))
             if seq > 1:  # rank 0 collects setup's statuses only
                 _send_bytes(data, 0, group, tag=seq)
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the call
             failure = RankFailure.from_exception(spec.rank, exc)
             log_event(log, "rank.command_failed", rank=spec.rank, command=name, error=failure.message[:300],
                       level=40)
-            store.set(f"status/{seq}/{spec.rank}", pickle.dumps(("error", failure)))
+            store.set(f"status/{seq}/{spec.rank}", store_message("error", failure))
             if group is None:  # setup failed: there is no process group to continue with
                 return
 
@@ -318,7 +331,7 @@ def _wait_setup(store: dist.TCPStore, spec: RankSpec) -> tuple[str, object]:
     key = f"setup/{spec.rank}"
     while not store.check([key]):
         time.sleep(0.05)
-    return pickle.loads(store.get(key))
+    return read_store_message(store.get(key))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -366,7 +379,7 @@ class RankGroupDriver:
         async with self._lock:
             self.seq = 1
             for rank in range(1, self.world_size):
-                self.store.set(f"setup/{rank}", pickle.dumps(("setup", None)))
+                self.store.set(f"setup/{rank}", store_message("setup", None))
             loop = asyncio.get_running_loop()
             own = loop.run_in_executor(self.compute, _capture(run_own, 0))
             await self._collect(1, own, "setup", startup=True)
@@ -442,7 +455,7 @@ class RankGroupDriver:
             for rank in sorted(pending):
                 key = f"status/{seq}/{rank}"
                 if self.store.check([key]):
-                    statuses[rank] = pickle.loads(self.store.get(key))
+                    statuses[rank] = read_store_message(self.store.get(key))
                     self.store.delete_key(key)
                     pending.discard(rank)
             finished = own.done() and not pending

@@ -2,6 +2,7 @@
 plan, the LR schedule, checkpoint folders, and how a rank finds its place."""
 
 import os
+import pickle
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from services.learner import checkpoint
 from services.learner.batches import Sample, collate, plan_training
 from services.learner.deepspeed_setup import lr_multiplier
 from services.learner.logprob_head import forward_micro_batch
-from services.learner.spmd import resolve_rank_spec
+from services.learner.spmd import RankFailure, read_store_message, resolve_rank_spec, store_message
 
 
 def _samples(n: int, seed: int = 0, vocab: int = 600) -> list[Sample]:
@@ -100,6 +101,20 @@ def test_checkpoint_folders(tmp_path):
         checkpoint.check_compatible(tmp_path / "global_step_4", world_size=2, zero_stage=2, models=["actor"])
     with pytest.raises(ValueError, match="critic"):
         checkpoint.check_compatible(tmp_path / "global_step_4", world_size=2, zero_stage=3, models=["actor", "critic"])
+
+
+def test_store_messages_are_data_not_code(tmp_path):
+    failure = RankFailure(1, "ValueError", "bad", "Traceback ...", "INVALID_ARGUMENT")
+    assert read_store_message(store_message("error", failure)) == ("error", failure)
+    assert read_store_message(store_message("ok", 12)) == ("ok", 12)
+
+    class Payload:  # what a forged store key could carry
+        def __reduce__(self):
+            return (os.mkdir, (str(tmp_path / "ran"),))
+
+    with pytest.raises(ValueError):
+        read_store_message(pickle.dumps(("ok", Payload())))
+    assert not (tmp_path / "ran").exists()
 
 
 def test_rank_spec_from_flags_and_launcher_environment(monkeypatch):

@@ -157,7 +157,8 @@ def test_checkpoint_survives_a_killed_service(learner, plain_model, tiny_model_d
         saved = stub.SaveCheckpoint(pb.SaveCheckpointRequest(ckpt_path=str(ckpt), global_step=step,
                                                              client_state=f"state {step}".encode()), timeout=300)
     assert saved.removed == [str(ckpt / "global_step_1")]  # --max_ckpt_num 2
-    assert sorted(p.name for p in ckpt.iterdir()) == ["global_step_2", "global_step_3"]
+    # The marker says the learner made the folder (services.common.ownership).
+    assert sorted(p.name for p in ckpt.iterdir()) == [".rlmesh-learner", "global_step_2", "global_step_3"]
     uninterrupted = stub.TrainActor(request, timeout=300)
     step_before = stub.GetInfo(pb.GetInfoRequest(), timeout=10).actor_global_step
 
