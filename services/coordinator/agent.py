@@ -128,6 +128,15 @@ class AgentRunner:
         self.workers.append(worker)
         self.idle.put_nowait(worker)
 
+    async def _replace_worker(self) -> None:
+        try:
+            await self._add_worker()
+        except Exception as exc:  # noqa: BLE001 - the others go on; the run fails only when none is left
+            log_event(_log, "agent.worker_replace_failed", level=40, error=str(exc)[-2000:],
+                      workers_left=len(self.workers))
+            if not self.workers:
+                self.idle.put_nowait(None)  # episodes waiting for a worker fail the step instead of hanging
+
     def _kill(self, worker: _Worker) -> None:
         if worker.process.is_alive():
             worker.process.kill()
@@ -167,6 +176,10 @@ class AgentRunner:
         cfg = self.config
         outcome = Outcome(index)
         worker = await self.idle.get()
+        if worker is None:
+            self.idle.put_nowait(None)
+            raise RuntimeError("no agent worker is left: replacements failed to start (see "
+                               "agent.worker_replace_failed in the log)")
         budget = cfg.agent_timeout_s  # agent code time; waiting for the engines does not count
         params = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
                   "max_tokens": sampling.max_tokens, "logprobs": 1}
@@ -209,7 +222,7 @@ class AgentRunner:
                 self.idle.put_nowait(worker)
             else:
                 self._kill(worker)
-                asyncio.ensure_future(self._add_worker())
+                asyncio.ensure_future(self._replace_worker())
 
     def _failed(self, prompt: Prompt, outcome: Outcome) -> Outcome:
         FAILED_EPISODES.inc()

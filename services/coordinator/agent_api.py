@@ -27,6 +27,7 @@ leave no room to generate.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 from abc import ABC, abstractmethod
 from copy import deepcopy
@@ -85,7 +86,11 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         self.agent_instance_cls = agent_instance_cls
 
     async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine):
-        agent = self.agent_instance_cls()
+        # Earlier OpenRLHF examples declare `async def __init__`: await it instead of failing.
+        agent = self.agent_instance_cls.__new__(self.agent_instance_cls)
+        initialised = agent.__init__()
+        if inspect.isawaitable(initialised):
+            await initialised
         reset = await agent.reset({"observation": prompt, "label": label})
         observation_text = reset["observation"]
         tokens = hf_tokenizer(observation_text, add_special_tokens=False)["input_ids"]
