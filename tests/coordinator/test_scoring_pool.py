@@ -210,3 +210,34 @@ def test_supervisor_hooks_move_and_drain_calls(tmp_path, http_server):
     finally:
         for s in (a, b, c):
             s.stop()
+
+
+def test_reference_calls_move_off_a_killed_instance(tmp_path, tiny_model_dir):
+    import torch
+
+    from services.reward.client import ReferenceClient
+
+    services = [start_reward_service(tmp_path, "--ref_pretrain", str(tiny_model_dir)) for _ in range(2)]
+    kill9(services[0])
+    sequences = [torch.arange(4, 4 + n) for n in (6, 9, 7)]
+    starts = [2, 3, 4]
+
+    async def run():
+        pool = ScoringPool("reference", [s.address for s in services],
+                           lambda a: ReferenceClient(a, timeout_s=60, channel_retries=False))
+        try:
+            # reference-0 is tried first (least loaded, lowest index), found dead, and left.
+            out = await pool.call(lambda c: c.ref_logprobs(sequences, starts, 1.0, request_id="ref/1"))
+            again = await pool.call(lambda c: c.ref_logprobs(sequences, starts, 1.0, request_id="ref/2"))
+            return out, again, pool.retries, [i.state for i in pool.instances]
+        finally:
+            await pool.close()
+
+    try:
+        out, again, retries, states = asyncio.run(run())
+    finally:
+        for s in services:
+            s.stop()
+    assert [len(t) for t in out] == [4, 6, 3]
+    assert all(torch.equal(a, b) for a, b in zip(out, again))
+    assert retries == 1 and states == ["down", "serving"]
