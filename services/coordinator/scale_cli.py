@@ -30,7 +30,7 @@ from services.coordinator.security import TOKEN_FILE
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="rlmesh scale", description=__doc__,
+    p = argparse.ArgumentParser(prog="rlmesh scale", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("role", choices=("rollout", "reward"), help="which instances to scale")
     p.add_argument("replicas", type=int, nargs="?", default=0,
