@@ -102,6 +102,7 @@ class AsyncSteps:
         self.producer: asyncio.Task | None = None
         self.trained = asyncio.Condition()  # notified after each trained (and pushed) step
         self.waited_s = 0.0  # time the trainer waited for the producer in the last step
+        self.gate_wait_s: dict[int, float] = {}  # step -> time its collection waited for fresh enough weights
 
     async def train_step(self, step: int) -> dict | None:
         if self.producer is None:
@@ -127,6 +128,7 @@ class AsyncSteps:
         async with self.trained:
             self.trained.notify_all()
         metrics["async/wait_for_samples_s"] = self.waited_s
+        metrics["async/wait_for_weights_s"] = self.gate_wait_s.pop(step, 0.0)
         metrics["async/queued_steps"] = float(self.ready.qsize())
         return metrics
 
@@ -139,8 +141,10 @@ class AsyncSteps:
             if self.policy == "wait":
                 # Step `step` is trained on the version after step-1's push; its samples may be at
                 # most K versions older, i.e. from after step-1-K's push.
+                t0 = time.monotonic()
                 async with self.trained:
                     await self.trained.wait_for(lambda: trainer.state.global_step >= step - 1 - self.max_staleness)
+                self.gate_wait_s[step] = time.monotonic() - t0
             try:
                 collected = await trainer.collect_step(step, defer_logprobs=True)
             except asyncio.CancelledError:
