@@ -169,6 +169,11 @@ def _save(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, out_dir: P
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
+    # The weights file is written owner-only (0600); a model folder is read by services running as
+    # other users (the images' uid 1000, a mounted volume), so it gets the usual 0644.
+    for path in out_dir.iterdir():
+        if path.is_file():
+            path.chmod(0o644)
     return out_dir
 
 
