@@ -9,6 +9,7 @@ other host keeps torch's behaviour (the ranks are on several machines and must r
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import os
@@ -36,11 +37,20 @@ def loopback_interface() -> str:
     return "lo"
 
 
-def keep_gloo_on_loopback(host: str) -> None:
-    """For process groups made through init_process_group: gloo reads GLOO_SOCKET_IFNAME (unless the
-    user already set it)."""
-    if is_loopback(host):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+@contextlib.contextmanager
+def gloo_on_loopback(host: str):
+    """While process groups are made through torch.distributed (which builds each gloo group's
+    sockets from GLOO_SOCKET_IFNAME when it is created): on loopback when host is a loopback address
+    and the user set no interface. Scoped, not process-wide: a learner whose own ranks share one
+    machine still opens its weight-sync group to engines on other machines."""
+    if not is_loopback(host) or "GLOO_SOCKET_IFNAME" in os.environ:
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
+    try:
+        yield
+    finally:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
 
 
 def store(host: str, port: int, world_size: int, is_master: bool, timeout: datetime.timedelta) -> dist.TCPStore:

@@ -246,19 +246,19 @@ def join_process_group(spec: RankSpec, store: dist.TCPStore, timeout_s: float):
     layer on top, and the gloo control group. Returns the control group. Collective: all ranks."""
     if spec.backend == "nccl":
         torch.cuda.set_device(spec.local_rank)
-    rendezvous.keep_gloo_on_loopback(spec.master_addr)  # ranks on one machine: nothing listens outside it
     # DeepSpeed reads the launcher's variables; set them whichever way the ranks were started.
     os.environ.update(RANK=str(spec.rank), LOCAL_RANK=str(spec.local_rank), WORLD_SIZE=str(spec.world_size),
                       MASTER_ADDR=spec.master_addr, MASTER_PORT=str(spec.master_port))
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(spec.backend, store=dist.PrefixStore("pg", store), rank=spec.rank,
-                            world_size=spec.world_size, timeout=timeout)
-    import deepspeed
+    with rendezvous.gloo_on_loopback(spec.master_addr):  # ranks on one machine: nothing listens outside it
+        dist.init_process_group(spec.backend, store=dist.PrefixStore("pg", store), rank=spec.rank,
+                                world_size=spec.world_size, timeout=timeout)
+        import deepspeed
 
-    deepspeed.init_distributed(dist_backend=spec.backend, timeout=timeout)
-    # Long timeout: a worker waits in recv on this group between calls, for as long as the service
-    # is idle. A dead peer still surfaces at once (the connection closes).
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
+        deepspeed.init_distributed(dist_backend=spec.backend, timeout=timeout)
+        # Long timeout: a worker waits in recv on this group between calls, for as long as the
+        # service is idle. A dead peer still surfaces at once (the connection closes).
+        return dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
 
 
 def _heartbeat(spec: RankSpec, stop: threading.Event, exit_on_loss: bool) -> None:
