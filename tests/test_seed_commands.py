@@ -282,7 +282,11 @@ def test_no_parser_takes_a_prefix_for_an_option():
         for path in sorted((ROOT / folder).rglob("*.py")):
             text = path.read_text(encoding="utf-8")
             for match in re.finditer(r"argparse\.ArgumentParser\(", text):
-                if not text[match.end():match.end() + 40].lstrip().startswith("allow_abbrev=False"):
+                depth, end = 1, match.end()
+                while depth and end < len(text):  # the call's arguments, up to its closing parenthesis
+                    depth += {"(": 1, ")": -1}.get(text[end], 0)
+                    end += 1
+                if text[match.end():end].count("allow_abbrev=False") != 1:
                     lax.append(f"{path.relative_to(ROOT)}:{text[:match.start()].count(chr(10)) + 1}")
     assert not lax, f"parsers that accept abbreviations: {lax}"
 

@@ -33,7 +33,7 @@ ACTIONS = ("status", "pause", "resume", "stop")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="rlmesh control", description=__doc__,
+    p = argparse.ArgumentParser(prog="rlmesh control", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("action", choices=ACTIONS, help="what to ask the coordinator")
     p.add_argument("--address", default="", help="host:port of the coordinator's control API (its --port)")
