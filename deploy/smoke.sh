@@ -76,13 +76,15 @@ if ! ls deploy/wheels/torch-2.13.0+cpu-*.whl >/dev/null 2>&1 && \
 fi
 
 # ---- images -------------------------------------------------------------------------------------
+mkdir -p runs/smoke
 log "building $RLMESH_IMAGE on $RLMESH_BASE_IMAGE"
-timed "build rlmesh image" docker build -q -f deploy/Dockerfile --build-arg BASE="$RLMESH_BASE_IMAGE" -t "$RLMESH_IMAGE" . >/dev/null
+timed "build rlmesh image" docker build -q -f deploy/Dockerfile --build-arg BASE="$RLMESH_BASE_IMAGE" -t "$RLMESH_IMAGE" . \
+  >runs/smoke/build.log 2>&1 || { tail -30 runs/smoke/build.log; fail "the image build failed (runs/smoke/build.log)"; }
 if ! obtain_image "$PROMETHEUS_IMAGE"; then
   log "cannot pull $PROMETHEUS_IMAGE: building Prometheus from Debian's package"
   export PROMETHEUS_IMAGE=rlmesh-prometheus:debian
   timed "build prometheus image" docker build -q -f deploy/prometheus/Dockerfile --build-arg BASE="$RLMESH_BASE_IMAGE" \
-    -t "$PROMETHEUS_IMAGE" deploy/prometheus >/dev/null
+    -t "$PROMETHEUS_IMAGE" deploy/prometheus >>runs/smoke/build.log 2>&1 || fail "the Prometheus build failed (runs/smoke/build.log)"
 fi
 SERVICES=(rollout reward learner coordinator prometheus)
 if obtain_image "$GRAFANA_IMAGE"; then SERVICES+=(grafana); else log "cannot pull $GRAFANA_IMAGE: Grafana left out of this run"; fi
@@ -92,11 +94,11 @@ for image in "$RLMESH_IMAGE" "$PROMETHEUS_IMAGE" "$GRAFANA_IMAGE"; do
 done
 
 # ---- model and data, made by the image itself ------------------------------------------------------
-mkdir -p runs/smoke
 if [ ! -f "$RLMESH_MODEL_DIR/config.json" ] || [ ! -f "$RLMESH_DATA_DIR/arith_train.jsonl" ]; then
   timed "make-tiny-model + make-data" docker run --rm --user "$(id -u):$(id -g)" -e HOME=/tmp -v "$ROOT/runs/smoke:/out" \
-    "$RLMESH_IMAGE" make-tiny-model /out/model >/dev/null
-  docker run --rm --user "$(id -u):$(id -g)" -e HOME=/tmp -v "$ROOT/runs/smoke:/out" "$RLMESH_IMAGE" make-data /out/data >/dev/null
+    "$RLMESH_IMAGE" make-tiny-model /out/model >runs/smoke/make.log 2>&1
+  docker run --rm --user "$(id -u):$(id -g)" -e HOME=/tmp -v "$ROOT/runs/smoke:/out" "$RLMESH_IMAGE" make-data /out/data \
+    >>runs/smoke/make.log 2>&1
 fi
 
 # ---- up, the run, checks --------------------------------------------------------------------------
