@@ -281,7 +281,8 @@ def _row_sums(words: torch.Tensor) -> torch.Tensor:
         return _row_sums_torch(words)
     out = torch.empty(words.shape[0], 2, dtype=torch.int64, device=words.device)
     block = 256
-    kernel[(_cdiv(words.shape[0], block),)](words, out, words.shape[0], BLOCK=block)
+    with torch.cuda.device(words.device):  # Triton launches on the thread's current device
+        kernel[(_cdiv(words.shape[0], block),)](words, out, words.shape[0], BLOCK=block)
     return out
 
 
