@@ -16,6 +16,7 @@ Everything runs on this machine (local placement, CPU, the tiny model, hf rollou
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import random
 import shutil
@@ -43,6 +44,9 @@ def main() -> int:
     args = parser.parse_args()
     root = pathlib.Path(args.out).resolve()
     shutil.rmtree(root, ignore_errors=True)
+    # DeepSpeed's JIT-built comm op gets a cache of its own: a learner killed while it holds the
+    # shared cache's build lock would leave every later learner on the machine waiting for it.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(root / "torch_extensions"))
     model = make_tiny_model(root / "model", seed=0)
     data = make_data(root / "data", seed=0)
     argv = lambda out: grpo_argv(model, data, out, args.engines, args.steps, args.engine)  # noqa: E731

@@ -132,23 +132,28 @@ class Recovery:
         return [e for e in self.t.pool.engines if (e.healthy or e.syncing) and not e.draining]
 
     async def _sync(self, version: int | None) -> dict:
-        """Rebuilds the weight group over _members() and pushes to all of them: `version` again
-        (None = a new version; 0 = nothing pushed yet, so a fresh engine already holds it)."""
+        """Admits the engines waiting to be (restarted or added). version None: a new weight group
+        over every member and a new version pushed to all. Otherwise a catch-up: a group of the
+        waiting engines alone gets `version`, the one the others hold (0: nothing was pushed yet,
+        so a fresh engine already holds it); the next push rebuilds the group over everyone."""
         t = self.t
         async with self._sync_lock:
             members = self._members()
             waiting = [e for e in members if e.syncing]
+            if version is not None and not waiting:
+                return {}
             if waiting:
                 infos = await t.pool.model_infos(waiting)
                 for engine, info in zip(waiting, infos):
                     engine.tensor_parallel_size = max(1, info.tensor_parallel_size)
+            group = members if version is None else waiting
             # A new rendezvous port: the learner's store of the old group may still hold the old one.
             t.weight_sync_master = await self.sup.placement.weight_sync_master(t.endpoints)
             t.group_engines = []  # stale until the new group is complete
-            await t._init_weight_transfer(members)
+            await t._init_weight_transfer(group)
             metrics = {}
             if version is None or version > 0:
-                metrics = await t.push_weights(members, version or 0)
+                metrics = await t.push_weights(group, version or 0)
             else:
                 infos = await t.pool.model_infos(waiting)
                 for engine, info in zip(waiting, infos):
