@@ -67,7 +67,7 @@ def refused(call, code=grpc.StatusCode.UNAUTHENTICATED) -> str:
     return err.value.details()
 
 
-def wait_state(stub, metadata, state: int, timeout_s: float = 300.0) -> cpb.GetStatusResponse:
+def wait_state(stub, metadata, state: int, timeout_s: float = 600.0) -> cpb.GetStatusResponse:
     deadline = time.monotonic() + timeout_s
     while True:
         status = stub.GetStatus(cpb.GetStatusRequest(), timeout=10, metadata=metadata)
@@ -102,7 +102,7 @@ def test_attacks_on_a_tls_run_fail_and_the_run_trains(tiny_model_dir, tiny_data_
             "--tls_client_ca", certs["ca"]]
     log = tmp_path / "coordinator.log"
     proc = start_coordinator("services.coordinator", argv, log)
-    info = wait_for_file(tmp_path / "control.json", proc, log, timeout_s=120)
+    info = wait_for_file(tmp_path / "control.json", proc, log, timeout_s=300)
     token = (run_dir / "auth_token").read_text().strip()
     assert (run_dir / "auth_token").stat().st_mode & 0o077 == 0  # this user's alone
     assert token not in (run_dir / "config.json").read_text()
@@ -128,7 +128,8 @@ def test_attacks_on_a_tls_run_fail_and_the_run_trains(tiny_model_dir, tiny_data_
             denied = rlmesh_control("stop", *tls_flags)
             assert denied.returncode == 1 and "UNAUTHENTICATED" in denied.stderr, denied.stderr
             # The run's owner pauses once the first step is done (and checkpointed), to look around.
-            next(control.StreamMetrics(cpb.StreamMetricsRequest(since_step=0), timeout=300))
+            # Generous deadline: services start and step 1 can take minutes on a loaded 2-core machine.
+            next(control.StreamMetrics(cpb.StreamMetricsRequest(since_step=0), timeout=900))
             control.Pause(cpb.PauseRequest(), timeout=10, metadata=auth)
             paused = wait_state(control, auth, cpb.RUN_STATE_PAUSED)
             assert paused.state == cpb.RUN_STATE_PAUSED and paused.global_step >= 1, paused
@@ -192,7 +193,7 @@ def test_attacks_on_a_tls_run_fail_and_the_run_trains(tiny_model_dir, tiny_data_
             # The owner's shell: `rlmesh control` over mutual TLS, the token read from the run folder.
             resumed = rlmesh_control("resume", *tls_flags, "--run_dir", str(run_dir))
             assert resumed.returncode == 0 and "RUN_STATE_RUNNING" in resumed.stdout, resumed.stderr
-        output = finish(proc, log, timeout_s=420)
+        output = finish(proc, log, timeout_s=900)
         assert proc.returncode == 0, output[-6000:]
     finally:
         if proc.poll() is None:
