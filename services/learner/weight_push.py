@@ -126,10 +126,9 @@ class WeightSender:
             sums.append((weights.bucket_sums(buffer, members), members))
         settle()
         if self.backend == "ipc" and self.device.type == "cuda":
-            # The handles leave only once their bytes are written: a receiver that still maps an
-            # earlier buffer of the same allocator block reuses that mapping without waiting for
-            # the IPC event (torch's IPC cache), and would read a half-packed bucket (seen with a
-            # 2-rank ZeRO-2 learner). One wait per chunk.
+            # The handles leave only once their bytes are written, so a receiver never depends on
+            # the IPC event that torch attaches to a shared buffer (its IPC cache can hand out an
+            # earlier mapping of the same allocator block without that event). One wait per chunk.
             torch.cuda.current_stream(self.device).synchronize()
         # The digests were summed on the device; the host waits for them once per chunk.
         for bucket_sum, members in sums:
