@@ -1,7 +1,7 @@
 """A run as an attacker on the same machine finds it: every service started by the coordinator
 serves mutual TLS with the run's certificate and requires the run's token, the coordinator's
 channels use both, and a GRPO run trains to its end. Meanwhile a loopback client without the token
-(even one holding a valid client certificate) cannot pause or stop the run, push weights into or
+(even one holding a valid client certificate) cannot pause, stop or scale the run, push weights into or
 put to sleep the rollout engine, make the learner save, prune or export; a plaintext client is
 refused outright; and with the token the learner still refuses to export into, or save into, a
 folder of files it did not write, and its pruning leaves such folders alone. Certificates are made
@@ -122,6 +122,7 @@ def test_attacks_on_a_tls_run_fail_and_the_run_trains(tiny_model_dir, tiny_data_
             message = refused(lambda: control.Pause(cpb.PauseRequest(), timeout=10))
             assert "CoordinatorService/Pause" in message and "authorization: Bearer" in message
             refused(lambda: control.Stop(cpb.StopRequest(skip_checkpoint=True), timeout=10))
+            refused(lambda: control.Scale(cpb.ScaleRequest(role="rollout", replicas=8), timeout=10))
             refused(lambda: control.Pause(cpb.PauseRequest(), timeout=10, metadata=(("authorization", "Bearer x"),)))
             tls_flags = ["--address", info["address"], "--tls_ca", certs["ca"], "--tls_cert", certs["cert"],
                          "--tls_key", certs["key"]]
