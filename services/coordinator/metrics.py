@@ -18,6 +18,7 @@ import time
 import prometheus_client
 
 from services.common.log import get_logger, log_event
+from services.coordinator.security import public_config
 
 _log = get_logger("coordinator")
 
@@ -128,7 +129,7 @@ class MetricsLog:
             wandb.login(key=key)
         run = wandb.init(project=config.wandb_project, entity=config.wandb_org or None,
                          group=config.wandb_group or None, name=config.wandb_run_name or self.run_dir.name,
-                         dir=str(self.run_dir), config={k: v for k, v in vars(config).items()
+                         dir=str(self.run_dir), config={k: v for k, v in public_config(config).items()
                                                         if isinstance(v, (int, float, str, bool, list))},
                          mode="offline" if os.environ.get("WANDB_MODE") == "offline" else None, reinit=True)
         log_event(_log, "metrics.wandb", mode=os.environ.get("WANDB_MODE", "online"), dir=str(self.run_dir))
