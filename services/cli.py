@@ -6,8 +6,8 @@
     rlmesh train --config examples/tiny_grpo.yaml                the RL loop (coordinator)
     rlmesh quickstart                                            the embedded end-to-end default
     rlmesh sft|rm|dpo|eval|plot ...                              offline trainers and tools
-    rlmesh control status|pause|resume|stop --run_dir DIR        steer a running training run
     rlmesh scale rollout|reward N --run_dir RUN                  more or fewer instances of a running run
+    rlmesh control status|pause|resume|stop --run_dir DIR        steer a running training run
     rlmesh make-tiny-model OUT / make-data OUT                   local tiny models and data
 """
 

@@ -90,7 +90,6 @@ def reward_argv(cfg: CoordinatorConfig, reward: bool, reference: bool) -> list[s
         if cfg.reward_pretrain:
             argv += ["--reward_pretrain", cfg.reward_pretrain, "--reward_dtype", "bf16" if cfg.bf16 else "fp32"]
         elif cfg.remote_rm_url:
-            argv += ["--remote_rm_url", cfg.remote_rm_url]
             argv += ["--remote_rm_url", cfg.remote_rm_url, "--remote_rm_batch_size", str(cfg.remote_rm_batch_size)]
         else:
             argv += ["--reward_func", cfg.reward_func]
