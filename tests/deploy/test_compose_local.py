@@ -95,7 +95,10 @@ class Poller(threading.Thread):
             try:
                 self.last = scrape(self.port)
             except OSError:
-                pass  # not up yet, or gone
+                # Not up yet (or gone): try again soon, as Prometheus' next scrape would find it; a
+                # run of a few seconds on an idle machine must still be scraped while it runs.
+                self.stop.wait(0.1)
+                continue
             self.stop.wait(POLL_S)
 
 
