@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import pathlib
 import sys
 
 import grpc
@@ -25,8 +24,9 @@ from google.protobuf import json_format
 from rlmesh.coordinator.v1 import coordinator_pb2 as pb
 from rlmesh.coordinator.v1 import coordinator_pb2_grpc
 from services.common.client import make_sync_channel
-from services.common.security import client_credentials, read_token_file, resolve_token
-from services.coordinator.security import TOKEN_FILE
+from services.common.config import ConfigError
+from services.common.security import client_credentials
+from services.coordinator.control_cli import resolve
 
 
 def parser() -> argparse.ArgumentParser:
@@ -49,17 +49,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    run_dir = pathlib.Path(args.run_dir) if args.run_dir else None
-    address = args.address
-    if not address and run_dir is not None and (run_dir / "control.json").is_file():
-        address = json.loads((run_dir / "control.json").read_text())["address"]
-    if not address:
-        print("rlmesh scale: give --address HOST:PORT of the coordinator's control API (or --run_dir of a run "
-              "started with --ready_file {run_dir}/control.json)", file=sys.stderr)
+    try:
+        address, token = resolve(args)
+    except ConfigError as exc:
+        print(f"rlmesh scale: {exc}", file=sys.stderr)
         return 2
-    token = resolve_token("", args.auth_token_file)
-    if not token and run_dir is not None and (run_dir / TOKEN_FILE).is_file():
-        token = read_token_file(str(run_dir / TOKEN_FILE), "--run_dir")
     credentials = dataclasses.replace(client_credentials(), token=token)
     request = pb.ScaleRequest(role=args.role, replicas=args.replicas, add_addresses=args.add,
                               remove_addresses=args.remove)
