@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import asyncio
 
-from rlmesh.learner.v1 import learner_pb2, learner_pb2_grpc
+from rlmesh.learner.v1 import learner_pb2
 from rlmesh.rollout.v1 import rollout_pb2
-from services.common.client import make_channel
 from services.coordinator import checkpoint
 from services.coordinator.control import ServiceEntry
 from services.coordinator.supervisor import RECOVERED_SAMPLES, REDONE_STEPS, SERVING, Instance, Supervisor
@@ -90,7 +89,7 @@ class Recovery:
 
     # ---- restarts: new addresses ----
     async def _on_restarted(self, instance: Instance) -> None:
-        t, cfg = self.t, self.config
+        t = self.t
         if instance.name in self.rollout_index:
             t.pool.replace(self.rollout_index[instance.name], instance.address)
         # Calls waiting in the scoring pools move to the new address (their request ids unchanged).
@@ -262,18 +261,11 @@ class Recovery:
         return step
 
     def _connect_learner(self) -> None:
-        from services.coordinator.trainer import LEARNER_IDEMPOTENT, LEARNER_SERVICE
-
-        t, cfg = self.t, self.config
+        t = self.t
         address = self.sup.instances["learner"].address
         if address == t.endpoints.learner and t.learner_channel is not None:
             return  # static placement: the same address again
-        old = t.learner_channel
-        t.learner_channel = make_channel(address, LEARNER_SERVICE, idempotent_methods=LEARNER_IDEMPOTENT,
-                                         default_timeout_s=cfg.rpc_timeout_s, max_message_mb=cfg.max_message_mb)
-        t.learner = learner_pb2_grpc.LearnerServiceStub(t.learner_channel)
-        t.endpoints.learner = address
-        asyncio.ensure_future(old.close())
+        asyncio.ensure_future(t.connect_learner(address).close())
 
     async def _rewind(self, step: int) -> int:
         """The restarted learner loads the newest complete checkpoint; the loop goes back to it."""

@@ -96,9 +96,8 @@ class Trainer:
             a, timeout_s=cfg.rpc_timeout_s, channel_retries=False), cfg.scoring_wait_s, cfg.scoring_retries)
         self.references = ScoringPool("reference", endpoints.reference, lambda a: ReferenceClient(
             a, timeout_s=cfg.rpc_timeout_s, channel_retries=False), cfg.scoring_wait_s, cfg.scoring_retries)
-        self.learner_channel = make_channel(endpoints.learner, LEARNER_SERVICE, idempotent_methods=LEARNER_IDEMPOTENT,
-                                            default_timeout_s=cfg.rpc_timeout_s, max_message_mb=cfg.max_message_mb)
-        self.learner = learner_pb2_grpc.LearnerServiceStub(self.learner_channel)
+        self.learner_channel = None
+        self.connect_learner(endpoints.learner)
         self.sequential = cfg.vllm_enable_sleep or cfg.deepspeed_enable_sleep
         self.use_ref = cfg.ref_needed and bool(endpoints.reference)
         self.use_critic = cfg.critic_needed
@@ -118,6 +117,16 @@ class Trainer:
         self.lost_samples = 0  # samples of the last failed step attempt
         self.async_steps = AsyncSteps(self) if cfg.async_train else None  # --async_train
         self.agents = AgentRunner(cfg, self.pool) if cfg.agent_func_path else None  # started in setup()
+
+    def connect_learner(self, address: str) -> grpc.aio.Channel | None:
+        """Points the learner stub at `address` (at start, and after a restart moved the learner);
+        returns the channel it replaced, for the caller to close."""
+        cfg, old = self.config, self.learner_channel
+        self.learner_channel = make_channel(address, LEARNER_SERVICE, idempotent_methods=LEARNER_IDEMPOTENT,
+                                            default_timeout_s=cfg.rpc_timeout_s, max_message_mb=cfg.max_message_mb)
+        self.learner = learner_pb2_grpc.LearnerServiceStub(self.learner_channel)
+        self.endpoints.learner = address
+        return old
 
     async def close(self) -> None:
         if self.async_steps is not None:
