@@ -102,7 +102,6 @@ class Trainer:
         self.use_ref = cfg.ref_needed and bool(endpoints.reference)
         self.use_critic = cfg.critic_needed
         self.weights_dtype = common_pb2.DTYPE_FLOAT32
-        self.engine_tp: list[int] = []
         self.learner_info: learner_pb2.GetInfoResponse | None = None
         self.asleep: set[str] = set()  # what the rollout engines have put to sleep: weights, kv_cache
         self._sleep_supported = cfg.vllm_enable_sleep
@@ -153,7 +152,6 @@ class Trainer:
         if self.agents is not None:
             await self.agents.start()  # a file that does not load stops the run here, before any step
         infos = await self.pool.model_infos()
-        self.engine_tp = [max(1, i.tensor_parallel_size) for i in infos]
         self.weights_dtype = infos[0].weights_dtype or common_pb2.DTYPE_FLOAT32
         for engine, info in zip(self.pool.engines, infos):
             engine.weight_version = info.weight_version
