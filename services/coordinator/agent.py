@@ -37,6 +37,7 @@ from services.common.tensors import from_proto
 from services.coordinator import agent_worker
 from services.coordinator.data import Prompt
 from services.coordinator.experience import Sample
+from services.coordinator.rollout_pool import gather_or_cancel
 
 _log = get_logger("coordinator")
 
@@ -162,14 +163,7 @@ class AgentRunner:
             if asyncio.iscoroutine(result):
                 await result
 
-        tasks = [asyncio.ensure_future(play(p, i)) for p in prompts for i in range(n)]
-        try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        await gather_or_cancel([play(p, i) for p in prompts for i in range(n)])
 
     async def _episode(self, prompt: Prompt, index: int, sampling, expected_version, seed, step,
                        round_index) -> Outcome:
