@@ -51,103 +51,53 @@ def _with_deadline(details, default_timeout_s: float):
     return details._replace(timeout=default_timeout_s)
 
 
-class _AioDeadline(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
-                   grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
-    def __init__(self, default_timeout_s: float):
-        self.default_timeout_s = default_timeout_s
-
-    async def intercept_unary_unary(self, continuation, details, request):
-        return await continuation(_with_deadline(details, self.default_timeout_s), request)
-
-    async def intercept_unary_stream(self, continuation, details, request):
-        return await continuation(_with_deadline(details, self.default_timeout_s), request)
-
-    async def intercept_stream_unary(self, continuation, details, request_iterator):
-        return await continuation(_with_deadline(details, self.default_timeout_s), request_iterator)
-
-    async def intercept_stream_stream(self, continuation, details, request_iterator):
-        return await continuation(_with_deadline(details, self.default_timeout_s), request_iterator)
-
-
-class _SyncDeadline(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                    grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    def __init__(self, default_timeout_s: float):
-        self.default_timeout_s = default_timeout_s
-
-    def intercept_unary_unary(self, continuation, details, request):
-        return continuation(_with_deadline(details, self.default_timeout_s), request)
-
-    def intercept_unary_stream(self, continuation, details, request):
-        return continuation(_with_deadline(details, self.default_timeout_s), request)
-
-    def intercept_stream_unary(self, continuation, details, request_iterator):
-        return continuation(_with_deadline(details, self.default_timeout_s), request_iterator)
-
-    def intercept_stream_stream(self, continuation, details, request_iterator):
-        return continuation(_with_deadline(details, self.default_timeout_s), request_iterator)
-
-
 def _with_metadata(details, metadata):
     return details._replace(metadata=(*(details.metadata or ()), *metadata))
 
 
-# grpc.aio files an interceptor under the first call kind it implements only (an if/elif chain in
-# grpc.aio.Channel), so the metadata interceptor is one class per kind, or streams would go without.
-class _AioMetadataUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
-    """Adds fixed metadata (the shared token) to every call of its kind."""
+def _aio_rewriting(rewrite) -> list:
+    """Interceptors that pass every call's details through `rewrite` (a default deadline, the shared
+    token). grpc.aio files an interceptor under the first call kind it implements only (an if/elif
+    chain in grpc.aio.Channel), so there is one per kind, or streamed calls would go without."""
 
-    def __init__(self, metadata):
-        self.metadata = metadata
+    class UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+        async def intercept_unary_unary(self, continuation, details, request):
+            return await continuation(rewrite(details), request)
 
-    async def intercept_unary_unary(self, continuation, details, request):
-        return await continuation(_with_metadata(details, self.metadata), request)
+    class UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+        async def intercept_unary_stream(self, continuation, details, request):
+            return await continuation(rewrite(details), request)
 
+    class StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+        async def intercept_stream_unary(self, continuation, details, request_iterator):
+            return await continuation(rewrite(details), request_iterator)
 
-class _AioMetadataUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
-    def __init__(self, metadata):
-        self.metadata = metadata
+    class StreamStream(grpc.aio.StreamStreamClientInterceptor):
+        async def intercept_stream_stream(self, continuation, details, request_iterator):
+            return await continuation(rewrite(details), request_iterator)
 
-    async def intercept_unary_stream(self, continuation, details, request):
-        return await continuation(_with_metadata(details, self.metadata), request)
-
-
-class _AioMetadataStreamUnary(grpc.aio.StreamUnaryClientInterceptor):
-    def __init__(self, metadata):
-        self.metadata = metadata
-
-    async def intercept_stream_unary(self, continuation, details, request_iterator):
-        return await continuation(_with_metadata(details, self.metadata), request_iterator)
+    return [UnaryUnary(), UnaryStream(), StreamUnary(), StreamStream()]
 
 
-class _AioMetadataStreamStream(grpc.aio.StreamStreamClientInterceptor):
-    def __init__(self, metadata):
-        self.metadata = metadata
+class _SyncRewriting(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                     grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """The blocking channel's counterpart of _aio_rewriting (grpc.intercept_channel takes every kind
+    a class implements)."""
 
-    async def intercept_stream_stream(self, continuation, details, request_iterator):
-        return await continuation(_with_metadata(details, self.metadata), request_iterator)
-
-
-def _aio_metadata(metadata) -> list:
-    return [cls(metadata) for cls in (_AioMetadataUnaryUnary, _AioMetadataUnaryStream, _AioMetadataStreamUnary,
-                                      _AioMetadataStreamStream)]
-
-
-class _SyncMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                    grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    def __init__(self, metadata):
-        self.metadata = metadata
+    def __init__(self, rewrite):
+        self.rewrite = rewrite
 
     def intercept_unary_unary(self, continuation, details, request):
-        return continuation(_with_metadata(details, self.metadata), request)
+        return continuation(self.rewrite(details), request)
 
     def intercept_unary_stream(self, continuation, details, request):
-        return continuation(_with_metadata(details, self.metadata), request)
+        return continuation(self.rewrite(details), request)
 
     def intercept_stream_unary(self, continuation, details, request_iterator):
-        return continuation(_with_metadata(details, self.metadata), request_iterator)
+        return continuation(self.rewrite(details), request_iterator)
 
     def intercept_stream_stream(self, continuation, details, request_iterator):
-        return continuation(_with_metadata(details, self.metadata), request_iterator)
+        return continuation(self.rewrite(details), request_iterator)
 
 
 def service_label(service_full_name: str, address: str) -> str:
@@ -208,9 +158,11 @@ def make_channel(address: str, service_full_name: str = "", idempotent_methods=(
     ClientCredentials() = plaintext and no token (for servers outside the run)."""
     creds = _resolve(credentials, tls_ca, tls_cert, tls_key)
     options = _options(service_full_name, idempotent_methods, max_message_mb, keepalive_time_s, keepalive_timeout_s)
-    interceptors = [_AioNamedErrors(service_label(service_full_name, address)), _AioDeadline(default_timeout_s)]
+    interceptors = [_AioNamedErrors(service_label(service_full_name, address)),
+                    *_aio_rewriting(lambda details: _with_deadline(details, default_timeout_s))]
     if creds.token:
-        interceptors += _aio_metadata(creds.metadata())
+        metadata = creds.metadata()
+        interceptors += _aio_rewriting(lambda details: _with_metadata(details, metadata))
     if creds.tls_ca:
         return grpc.aio.secure_channel(address, _credentials(creds.tls_ca, creds.tls_cert, creds.tls_key), options,
                                        interceptors=interceptors)
@@ -229,7 +181,10 @@ def make_sync_channel(address: str, service_full_name: str = "", idempotent_meth
         channel = grpc.secure_channel(address, _credentials(creds.tls_ca, creds.tls_cert, creds.tls_key), options)
     else:
         channel = grpc.insecure_channel(address, options)
-    interceptors = [_SyncDeadline(default_timeout_s)] + ([_SyncMetadata(creds.metadata())] if creds.token else [])
+    interceptors = [_SyncRewriting(lambda details: _with_deadline(details, default_timeout_s))]
+    if creds.token:
+        metadata = creds.metadata()
+        interceptors.append(_SyncRewriting(lambda details: _with_metadata(details, metadata)))
     return grpc.intercept_channel(channel, *interceptors)
 
 

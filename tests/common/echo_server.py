@@ -1,6 +1,7 @@
 """A server built with the shared runner for its own tests: `Echo` returns the request bytes after
-an optional delay (the first 8 bytes, ASCII, are the delay in milliseconds); `Flaky` fails twice
-per key with UNAVAILABLE before it answers."""
+an optional delay (the first 8 bytes, ASCII, are the delay in milliseconds); `Drip` streams the
+request back ten times with that delay before each; `Flaky` fails twice per key with UNAVAILABLE
+before it answers."""
 
 import asyncio
 import sys
@@ -21,6 +22,13 @@ async def echo(request: bytes, context) -> bytes:
     return request
 
 
+async def drip(request: bytes, context):
+    delay_ms = int(request[:8] or b"0")
+    for _ in range(10):
+        await asyncio.sleep(delay_ms / 1000)
+        yield request
+
+
 _flaky_attempts: dict[bytes, int] = {}
 
 
@@ -35,6 +43,7 @@ async def flaky(request: bytes, context) -> bytes:
 async def build(runner) -> None:
     handler = grpc.method_handlers_generic_handler(
         "rlmesh.test.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo),
+                             "Drip": grpc.unary_stream_rpc_method_handler(drip),
                              "Flaky": grpc.unary_unary_rpc_method_handler(flaky)})
     runner.server.add_generic_rpc_handlers((handler,))
     runner.service_names.append("rlmesh.test.Echo")

@@ -1,5 +1,6 @@
 """The shared server runner and client factory, against a real server process on loopback."""
 
+import asyncio
 import json
 import os
 import signal
@@ -13,9 +14,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from services.common.client import make_sync_channel, wait_for_serving_sync
+from services.common.client import make_channel, make_sync_channel, wait_for_serving_sync
 
 ECHO = "/rlmesh.test.Echo/Echo"
+DRIP = "/rlmesh.test.Echo/Drip"
 
 
 def start_echo(tmp_path, *extra):
@@ -77,6 +79,31 @@ def test_default_deadline_applies_when_caller_sets_none(echo_server):
             echo_call(channel, b"00003000")
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert time.monotonic() - t0 < 2.5
+
+
+def test_default_deadline_applies_to_streamed_calls_on_both_channel_kinds(echo_server):
+    """A stream the caller gives no deadline gets the channel's default on blocking and asyncio
+    channels alike (asyncio channels take one interceptor per call kind)."""
+    with make_sync_channel(echo_server["address"], default_timeout_s=0.3) as channel:
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            list(channel.unary_stream(DRIP)(b"00000200"))
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - t0 < 1.5
+
+    async def aio_stream():
+        async with make_channel(echo_server["address"], default_timeout_s=0.3) as channel:
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                async for _ in channel.unary_stream(DRIP)(b"00000200"):
+                    pass
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert time.monotonic() - t0 < 1.5
+            # An explicit deadline is kept: the whole stream arrives.
+            replies = [r async for r in channel.unary_stream(DRIP)(b"00000010", timeout=10)]
+            assert replies == [b"00000010"] * 10
+
+    asyncio.run(aio_stream())
 
 
 def test_message_over_limit_is_resource_exhausted(echo_server):
