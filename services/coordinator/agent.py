@@ -33,11 +33,11 @@ import torch
 
 from rlmesh.rollout.v1 import rollout_pb2
 from services.common.log import get_logger, log_event
+from services.common.tasks import gather_or_cancel
 from services.common.tensors import from_proto
 from services.coordinator import agent_worker
 from services.coordinator.data import Prompt
 from services.coordinator.experience import Sample
-from services.coordinator.rollout_pool import gather_or_cancel
 
 _log = get_logger("coordinator")
 

@@ -26,6 +26,7 @@ import torch
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.client import make_channel
 from services.common.log import get_logger, log_event
+from services.common.tasks import gather_or_cancel
 from services.common.tensors import to_proto
 from services.coordinator.data import Prompt
 
@@ -46,18 +47,6 @@ class Engine:
     tensor_parallel_size: int = 1  # workers in the weight group
     syncing: bool = False  # serving again (restarted or added) and waiting for the current weights
     draining: bool = False  # leaves once its in-flight samples are done
-
-
-async def gather_or_cancel(calls) -> list:
-    """gather(), but the first failure cancels the other calls instead of leaving them running."""
-    tasks = [asyncio.ensure_future(c) for c in calls]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
 
 
 def chunk_seed(seed: int, step: int, round_index: int, chunk_index: int) -> int:

@@ -32,6 +32,7 @@ import grpc
 
 from services.common.config import ConfigError
 from services.common.errors import ServiceError
+from services.common.tasks import gather_or_cancel
 from services.reward import function_worker, metrics
 from services.reward.source import InvalidScores, RewardSource, ScoreBatch, SourceScores, invalid_response, \
     scores_from_payload
@@ -223,13 +224,9 @@ class FunctionRewardSource(RewardSource):
 
     async def score(self, batch: ScoreBatch) -> SourceScores:
         await self.start()
-        tasks = [asyncio.create_task(self._score_chunk(batch.slice(i, i + self.batch_size), i))
-                 for i in range(0, len(batch), self.batch_size)]
-        try:
-            return SourceScores.concat(await asyncio.gather(*tasks))
-        finally:
-            for task in tasks:
-                task.cancel()
+        # One failed chunk fails the batch: the others stop instead of running on.
+        return SourceScores.concat(await gather_or_cancel(
+            self._score_chunk(batch.slice(i, i + self.batch_size), i) for i in range(0, len(batch), self.batch_size)))
 
     async def _call(self, request: tuple) -> tuple:
         """Runs one call in a worker; if the caller gives up, the worker is freed when the call ends."""

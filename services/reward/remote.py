@@ -24,6 +24,7 @@ import time
 import grpc
 
 from services.common.errors import ServiceError
+from services.common.tasks import gather_or_cancel
 from services.reward import metrics
 from services.reward.source import InvalidScores, RewardSource, ScoreBatch, SourceScores, invalid_response
 
@@ -100,14 +101,9 @@ class RemoteSource(RewardSource):
         if self._in_flight is None:
             await self.start()
         size = self.policy.batch_size
-        tasks = [asyncio.create_task(self._score_chunk(batch.slice(i, i + size), i))
-                 for i in range(0, len(batch), size)]
-        try:
-            return SourceScores.concat(await asyncio.gather(*tasks))
-        finally:
-            # One failed chunk fails the batch: stop the others instead of letting them retry on.
-            for task in tasks:
-                task.cancel()
+        # One failed chunk fails the batch: stop the others instead of letting them retry on.
+        return SourceScores.concat(await gather_or_cancel(
+            self._score_chunk(batch.slice(i, i + size), i) for i in range(0, len(batch), size)))
 
     def _pick(self) -> _Endpoint:
         """Fewest outstanding requests, endpoints that failed recently last; ties rotate."""
