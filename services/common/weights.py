@@ -41,6 +41,7 @@ from __future__ import annotations
 import datetime
 import functools
 import hashlib
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -458,6 +459,23 @@ def open_weight_group(backend: str, master_address: str, master_port: int, world
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside the group of world_size {world_size}")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return _join_weight_group(backend, master_address, master_port, world_size, rank, group_name,
+                                      max(deadline - time.monotonic(), 1.0))
+        except torch.distributed.DistNetworkError:
+            # A fixed rendezvous port (--weight_sync_master) serves one group after another: an
+            # engine may reach the store of the group this one replaces, which the learner closes
+            # only as it opens the new one. That store vanishes under it: join again, on the new
+            # one, within the same timeout.
+            if rank == 0 or time.monotonic() > deadline - 1.0:
+                raise
+            time.sleep(0.2)
+
+
+def _join_weight_group(backend: str, master_address: str, master_port: int, world_size: int, rank: int,
+                       group_name: str, timeout_s: float) -> WeightGroup:
     timeout = datetime.timedelta(seconds=timeout_s)
     # On one machine (a loopback master) the store and gloo listen on loopback only.
     store = rendezvous.store(master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout)
