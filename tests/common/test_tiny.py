@@ -70,6 +70,20 @@ def test_other_arch_and_size_load(tmp_path, arch, size, low, high):
     assert out.shape == (1, ids.shape[1] + 4)
 
 
+def test_qwen25_05b_shape_has_its_layers_and_room_for_long_responses():
+    """The GPU benchmarks' size: Qwen2.5-0.5B's layers with this tokenizer (built on the meta device: no weights)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from services.common.tiny import _config_kwargs, build_tokenizer
+
+    config = Qwen2Config(**_config_kwargs(build_tokenizer(), "qwen2.5-0.5b"))
+    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (896, 4864, 24)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.max_position_embeddings) == (14, 2, 2048)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(config)
+    assert 355_000_000 <= n_params(model) <= 362_000_000
+
+
 def test_tokenizer_round_trips_and_splits_digits(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     text = "What is 123+45? The answer is \\boxed{168}. Café, naïve  spaces\nnew line"
