@@ -60,6 +60,16 @@ class SampleResult:
     logprobs: list[float] | None  # one per token when Sampling.logprobs
     finish_reason: str  # "stop" | "length" | "abort"
     text: str = ""
+    # (first token index, version) of every push with pause_generation that landed while the
+    # sample generated, oldest first; tokens before the first one come from the starting version.
+    version_starts: list[tuple[int, int]] = field(default_factory=list)
+
+    def token_versions(self, first_version: int) -> list[int]:
+        """The weight version of each token, given the version the sample started under."""
+        versions = [first_version] * len(self.token_ids)
+        for start, version in self.version_starts:
+            versions[start:] = [version] * (len(versions) - start)
+        return versions
 
 
 @dataclass(frozen=True)
@@ -124,6 +134,24 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def reset_prefix_cache(self) -> None:
         """Drops cached KV of earlier prompts (stale after new weights)."""
+
+    @abc.abstractmethod
+    def pause_unsupported_reason(self) -> str:
+        """Why UpdateWeights(pause_generation) cannot work here ("" when it can)."""
+
+    @abc.abstractmethod
+    async def pause_generation(self) -> None:
+        """Freezes every running request where it stands and drops the KV cache (partial rollout);
+        requests submitted meanwhile queue."""
+
+    @abc.abstractmethod
+    async def resume_generation(self, version: int) -> None:
+        """Continues the frozen requests on the weights now loaded; their tokens from here on are
+        marked `version` (SampleResult.version_starts)."""
+
+    @abc.abstractmethod
+    async def abort_frozen(self) -> None:
+        """Aborts the frozen requests (a push failed part-way: the weights may be mixed) and resumes."""
 
     @abc.abstractmethod
     def sleep_unsupported_reason(self) -> str:

@@ -217,6 +217,19 @@ class HfEngine(Engine):
     async def reset_prefix_cache(self) -> None:
         return None  # no cache survives a batch
 
+    def pause_unsupported_reason(self) -> str:
+        return ("the hf engine (--engine hf) decodes a batch to its end and cannot take new weights in the middle; "
+                "fix: serve the rollout with --engine vllm, or train without --partial_rollout")
+
+    async def pause_generation(self) -> None:
+        raise NotImplementedError(self.pause_unsupported_reason())
+
+    async def resume_generation(self, version: int) -> None:
+        raise NotImplementedError(self.pause_unsupported_reason())
+
+    async def abort_frozen(self) -> None:
+        raise NotImplementedError(self.pause_unsupported_reason())
+
     def sleep_unsupported_reason(self) -> str:
         return "the hf engine has no sleep mode; Sleep/WakeUp need --engine vllm with --enable_sleep_mode on a GPU"
 

@@ -15,6 +15,8 @@ SAMPLES = Counter("rlmesh_rollout_samples_total", "Finished samples, by finish r
 REQUESTS = Counter("rlmesh_rollout_requests_total", "RPCs handled, by method and gRPC status", ["method", "status"])
 REQUEST_DURATION = Histogram("rlmesh_rollout_request_duration_seconds", "RPC duration, by method", ["method"],
                              buckets=_DURATION_BUCKETS)
+MIXED_VERSION_SAMPLES = Counter("rlmesh_rollout_mixed_version_samples_total",
+                                "Samples that continued on new weights after a push with pause_generation")
 RUNNING_SAMPLES = Gauge("rlmesh_rollout_running_samples", "Samples submitted to the engine and not finished")
 WAITING_REQUESTS = Gauge("rlmesh_rollout_waiting_requests",
                          "Generate calls waiting for a weight update or Sleep/WakeUp to end")

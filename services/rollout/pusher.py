@@ -86,7 +86,7 @@ def free_port(host: str) -> int:
 class WeightPusher:
     def __init__(self, addresses: list[str], backend: str = "gloo", master_address: str = "127.0.0.1",
                  master_port: int = 0, group_name: str = "rlmesh-weights", timeout_s: float = 600.0,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, chunk_buckets: int = 0):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, chunk_buckets: int = 0, pause_generation: bool = False):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
         self.addresses = addresses
@@ -97,6 +97,7 @@ class WeightPusher:
         self.timeout_s = timeout_s
         self.bucket_bytes = bucket_bytes
         self.chunk_buckets = chunk_buckets
+        self.pause_generation = pause_generation  # partial rollout: running generations continue on the new weights
         self.channels = [make_channel(a, SERVICE, idempotent_methods=("GetModelInfo",),
                                       default_timeout_s=timeout_s + 60) for a in addresses]
         self.stubs = [rollout_pb2_grpc.RolloutServiceStub(c) for c in self.channels]
@@ -156,6 +157,7 @@ class WeightPusher:
 
     async def _push_chunk_broadcast(self, version, index, final, slots, sizes, tensors, entries):
         request = update_weights_request(version, slots, sizes, chunk_index=index, final=final)
+        request.pause_generation = self.pause_generation
         calls = [asyncio.ensure_future(s.UpdateWeights(request)) for s in self.stubs]
         try:
             entries.update(await asyncio.to_thread(send_buckets, self.group, slots, sizes, tensors))
@@ -178,6 +180,7 @@ class WeightPusher:
             entries.update({s.name: DigestEntry(s.dtype, s.shape, digests[s.name]) for s in members})
         handles = [share_bucket_ipc(buffer, b) for b, buffer in enumerate(buffers)]
         request = update_weights_request(version, slots, sizes, chunk_index=index, final=final, ipc_buckets=handles)
+        request.pause_generation = self.pause_generation
         # The buffers stay alive (referenced here) until every engine has answered.
         return await asyncio.gather(*(s.UpdateWeights(request) for s in self.stubs))
 
@@ -199,7 +202,8 @@ def load_checkpoint(model_dir: str) -> dict[str, torch.Tensor]:
 
 async def push_checkpoint(args: argparse.Namespace) -> PushResult:
     pusher = WeightPusher(args.rollout_addresses, args.backend, args.master_address, args.master_port,
-                          args.group_name, args.timeout_s, int(args.bucket_mb * 1024 * 1024), args.chunk_buckets)
+                          args.group_name, args.timeout_s, int(args.bucket_mb * 1024 * 1024), args.chunk_buckets,
+                          args.pause_generation)
     try:
         await pusher.connect()
         return await pusher.push(args.version, load_checkpoint(args.checkpoint).items())
@@ -220,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket_mb", type=float, default=256, help="largest bucket, MiB")
     parser.add_argument("--chunk_buckets", type=int, default=0,
                         help="buckets per UpdateWeights call; 0 = the whole push in one call")
+    parser.add_argument("--pause_generation", action="store_true",
+                        help="do not wait for running generations: freeze them, load, and let them continue on the "
+                             "new weights (vLLM engines only)")
     args = parser.parse_args(argv)
     try:
         result = asyncio.run(push_checkpoint(args))

@@ -2,14 +2,23 @@
 
 AsyncLLM runs the scheduler and model in its own engine-core and worker processes and talks to
 them over ZMQ, so awaiting it never blocks the gRPC event loop, and every concurrent Generate call
-lands in the same continuous batch. Each sample is its own vLLM request (n=1, output only when
-finished), so a sample streams back the moment it finishes and can be aborted on its own; the n
-samples of a prompt still share the prompt's KV cache through prefix caching.
+lands in the same continuous batch. Each sample is its own vLLM request (n=1), so a sample streams
+back the moment it finishes and can be aborted on its own; the n samples of a prompt still share
+the prompt's KV cache through prefix caching. Requests stream their tokens in deltas, so the
+engine knows how far each one has got when a partial-rollout push freezes it.
+
+Partial rollout (UpdateWeights with pause_generation): pause_generation(mode="keep") freezes the
+running requests, and clear_cache=True drops their KV cache and the prefix cache, so when they
+continue they recompute their prompt and tokens so far on the new weights (one prefill each).
+Every token after the push then comes from the new weights alone, and no prompt later reuses KV
+of the old ones. AReaL and slime keep the old KV instead, saving that prefill; the truncated
+importance sampling against the engine's log-probs corrects for either.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 
 import vllm
@@ -85,11 +94,21 @@ def sampling_params(sampling: Sampling, spec: SampleSpec) -> SamplingParams:
         ignore_eos=sampling.ignore_eos,
         # Stop strings are matched on text, so they need detokenizing too.
         detokenize=sampling.return_text or bool(sampling.stop),
-        output_kind=RequestOutputKind.FINAL_ONLY,
+        output_kind=RequestOutputKind.DELTA,
     )
     if sampling.top_k > 0:
         kwargs["top_k"] = sampling.top_k
     return SamplingParams(**kwargs)
+
+
+@dataclasses.dataclass
+class _Running:
+    """What one request has streamed back so far."""
+
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    text: list[str] = dataclasses.field(default_factory=list)
+    version_starts: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 class VllmEngine(Engine):
@@ -111,19 +130,22 @@ class VllmEngine(Engine):
             device=str(current_platform.device_type),
             parameters=checkpoint_parameter_shapes(config.pretrain),
         )
-        self._running = 0
+        self._running: dict[str, _Running] = {}  # by request id (SampleSpec.key)
 
     async def initial_digests(self) -> dict[str, DigestEntry]:
         return await asyncio.to_thread(checkpoint_digests, self.config.pretrain, self.facts.dtype)
 
     def running_samples(self) -> int:
-        return self._running
+        return len(self._running)
 
     def is_dead(self) -> bool:
         return self.llm.errored
 
     async def generate(self, specs: Sequence[SampleSpec], sampling: Sampling) -> AsyncIterator[SampleResult]:
         queue: asyncio.Queue[SampleResult | BaseException] = asyncio.Queue()
+        # Registered before any await, so a partial push that lands from here on marks these too.
+        for spec in specs:
+            self._running[spec.key] = _Running()
         tasks = [asyncio.create_task(self._generate_one(spec, sampling, queue)) for spec in specs]
         try:
             for _ in range(len(tasks)):
@@ -138,31 +160,33 @@ class VllmEngine(Engine):
             if unfinished:
                 await asyncio.gather(*unfinished, return_exceptions=True)
                 log_event(log, "generate.aborted", samples=len(unfinished))
+            for spec in specs:  # a task cancelled before it started never ran its own clean-up
+                self._running.pop(spec.key, None)
 
     async def _generate_one(self, spec: SampleSpec, sampling: Sampling,
                             queue: asyncio.Queue[SampleResult | BaseException]) -> None:
-        self._running += 1
+        state = self._running[spec.key]
         try:
-            final = None
+            finish_reason = None
             async for output in self.llm.generate({"prompt_token_ids": spec.prompt_ids},
                                                   sampling_params(sampling, spec), spec.key):
-                final = output
-            completion = final.outputs[0]
-            token_ids = list(completion.token_ids)
-            logprobs = None
-            if sampling.logprobs:
-                # logprobs=0 returns, per position, a dict holding (at least) the sampled token.
-                logprobs = [float(pos[tok].logprob) for pos, tok in zip(completion.logprobs, token_ids)]
+                delta = output.outputs[0]
+                state.token_ids += delta.token_ids
+                if sampling.logprobs and delta.token_ids:
+                    # logprobs=0 returns, per new position, a dict holding (at least) the sampled token.
+                    state.logprobs += [float(pos[tok].logprob) for pos, tok in zip(delta.logprobs, delta.token_ids)]
+                state.text.append(delta.text)
+                finish_reason = delta.finish_reason
             queue.put_nowait(SampleResult(
-                spec=spec, token_ids=token_ids, logprobs=logprobs,
-                finish_reason=_FINISH_REASONS.get(completion.finish_reason, "abort"),
-                text=completion.text if sampling.return_text else ""))
+                spec=spec, token_ids=state.token_ids, logprobs=state.logprobs if sampling.logprobs else None,
+                finish_reason=_FINISH_REASONS.get(finish_reason, "abort"),
+                text="".join(state.text) if sampling.return_text else "", version_starts=state.version_starts))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which reports it
             queue.put_nowait(exc)
         finally:
-            self._running -= 1
+            self._running.pop(spec.key, None)
 
     async def open_weight_group(self, backend: str, master_address: str, master_port: int, world_size: int,
                                 rank_offset: int, group_name: str, timeout_s: float) -> list[int]:
@@ -185,6 +209,28 @@ class VllmEngine(Engine):
 
     async def reset_prefix_cache(self) -> None:
         await self.llm.reset_prefix_cache()
+
+    def pause_unsupported_reason(self) -> str:
+        if not hasattr(self.llm, "resume_generation"):
+            return (f"vllm {vllm.__version__} has no AsyncLLM.pause_generation/resume_generation; fix: install "
+                    "vLLM 0.26 or newer, or train without --partial_rollout")
+        return ""
+
+    async def pause_generation(self) -> None:
+        await self.llm.pause_generation(mode="keep", clear_cache=True)
+
+    async def resume_generation(self, version: int) -> None:
+        # The engine has been frozen since pause_generation returned (which itself waits for the
+        # engine's last outputs to be sent, then 20 ms), and the weights were loaded since: every
+        # token it made before the freeze has reached its request's state by now.
+        for state in self._running.values():
+            state.version_starts.append((len(state.token_ids), version))
+        await self.llm.resume_generation()
+
+    async def abort_frozen(self) -> None:
+        if self._running:
+            await self.llm.abort(list(self._running))  # each ends with an "abort" output
+        await self.llm.resume_generation()
 
     def sleep_unsupported_reason(self) -> str:
         if not current_platform.is_sleep_mode_available():

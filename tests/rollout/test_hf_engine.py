@@ -160,3 +160,11 @@ def test_a_push_waits_for_running_generation(hf, hf_rollout, tiny_model_dir):
     weights.broadcast_weights(group, slots, sizes, tensors)
     assert call.result().weight_version == version + 1
     assert len(finished["responses"]) == 32 and {r.weight_version for r in finished["responses"]} == {version}
+
+
+def test_a_partial_push_is_refused_with_the_fix(hf):
+    """The hf engine decodes a batch to its end: pause_generation is refused up front, naming the fix."""
+    error = rpc_error(lambda: hf.UpdateWeights(rollout_pb2.UpdateWeightsRequest(version=10**6, pause_generation=True),
+                                               timeout=10))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "--engine vllm" in error.details() and "--partial_rollout" in error.details(), error.details()

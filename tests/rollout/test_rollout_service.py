@@ -374,6 +374,68 @@ def test_failed_push_refuses_generate_until_a_complete_push(stub, vllm_rollout, 
 
 
 
+def test_partial_push_continues_running_generation_on_the_new_weights(stub, vllm_rollout, tiny_model_dir,
+                                                                      tiny_model_dir_b):
+    """UpdateWeights with pause_generation lands while long greedy generations run: they are frozen,
+    take the second model's weights and continue. Each token reports the version that made it, and
+    each token's log-prob is that version's model's (the KV of the old weights was recomputed)."""
+    from services.rollout.pusher import load_checkpoint
+
+    version = stub.GetModelInfo(rollout_pb2.GetModelInfoRequest()).weight_version
+    port = weights_port()
+    joined = stub.InitWeightTransfer.future(rollout_pb2.InitWeightTransferRequest(
+        backend=rollout_pb2.WEIGHT_BACKEND_GLOO, master_address="127.0.0.1", master_port=port, world_size=2,
+        rank_offset=1, group_name="partial", timeout_s=60))
+    group = weights.open_weight_group("gloo", "127.0.0.1", port, 2, 0, "partial", 60)
+    joined.result()
+    model_a, model_b = hf_model(tiny_model_dir), hf_model(tiny_model_dir_b)
+    tensors_a, tensors_b = load_checkpoint(str(tiny_model_dir)), load_checkpoint(str(tiny_model_dir_b))
+    mixed_before = vllm_rollout.metrics().get("rlmesh_rollout_mixed_version_samples_total", 0.0)
+
+    def push(tensors, version, pause):
+        slots, sizes = weights.plan_buckets([(n, torch.float32, t.shape) for n, t in tensors.items()], 1 << 20)
+        request = weights.update_weights_request(version, slots, sizes)
+        request.pause_generation = pause
+        call = stub.UpdateWeights.future(request)
+        weights.broadcast_weights(group, slots, sizes, tensors)
+        return call.result()
+
+    finished = {}
+    prompts = [token_prompt(str(i), p) for i, p in enumerate(GREEDY_PROMPTS)]
+    thread = threading.Thread(target=lambda: finished.update(responses=generate(
+        stub, prompts, n=2, temperature=0.0, max_tokens=MAX_MODEL_LEN - 16, ignore_eos=True, logprobs=True)))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while vllm_rollout.metrics()["rlmesh_rollout_running_samples"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    # A short call submitted after the long ones ends after 8 engine steps, which the long ones shared.
+    generate(stub, [token_prompt("short", [5, 6])], max_tokens=8, ignore_eos=True)
+    assert push(tensors_b, version + 1, pause=True).weight_version == version + 1
+    thread.join(120)
+    responses = finished["responses"]
+    assert len(responses) == 2 * len(GREEDY_PROMPTS)
+    for r in responses:
+        assert r.HasField("token_weight_versions"), f"sample {r.prompt_id}/{r.sample_index} reports one version"
+        ids, versions = tokens(r), from_proto(r.token_weight_versions).tolist()
+        switch = versions.index(version + 1)
+        assert 8 <= switch < len(ids) and versions == [version] * switch + [version + 1] * (len(ids) - switch)
+        assert r.weight_version == version
+        prompt = GREEDY_PROMPTS[int(r.prompt_id)]
+        # Each token's log-prob is that of the model its version names, before and after the switch.
+        expected = hf_response_logprobs(model_a, prompt, ids)[:switch] + hf_response_logprobs(model_b, prompt, ids)[switch:]
+        assert max(abs(a - b) for a, b in zip(logprobs(r), expected)) < LOGPROB_ATOL
+        # The continuation is the new model's greedy one, not the one the old weights would have made.
+        after = hf_greedy(model_b, prompt + ids[:switch], 8)
+        assert ids[switch:switch + 8] == after[:len(ids) - switch]
+        assert hf_greedy(model_a, prompt + ids[:switch], 8) != after
+    assert vllm_rollout.metrics()["rlmesh_rollout_mixed_version_samples_total"] - mixed_before == len(responses)
+    # Later calls start on the new weights and report one version; then the original weights go back.
+    fresh = generate(stub, [token_prompt("f", [5, 6])], max_tokens=4)
+    assert fresh[0].weight_version == version + 1 and not fresh[0].HasField("token_weight_versions")
+    assert push(tensors_a, version + 2, pause=False).weight_version == version + 2
+
+
 def test_a_dead_engine_reports_unavailable_and_not_serving(stub, channel, vllm_rollout):
     """Kills vLLM's engine-core process (the session's engine is unusable afterwards: this runs last)."""
     import psutil

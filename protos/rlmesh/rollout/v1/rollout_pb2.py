@@ -25,21 +25,21 @@ _sym_db = _symbol_database.Default()
 from rlmesh.common.v1 import common_pb2 as rlmesh_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frlmesh/rollout/v1/rollout.proto\x12\x11rlmesh.rollout.v1\x1a\x1drlmesh/common/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"@\n\x0c\x43hatMessages\x12\x30\n\x08messages\x18\x01 \x03(\x0b\x32\x1e.rlmesh.rollout.v1.ChatMessage\"\x94\x01\n\x06Prompt\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12-\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x18.rlmesh.common.v1.TensorH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12/\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1f.rlmesh.rollout.v1.ChatMessagesH\x00\x42\x07\n\x05input\"\x88\x02\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x02\x88\x01\x01\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x13\n\x0breturn_text\x18\x0b \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xd4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x07prompts\x18\x02 \x03(\x0b\x32\x19.rlmesh.rollout.v1.Prompt\x12\t\n\x01n\x18\x03 \x01(\x05\x12\x34\n\x08sampling\x18\x04 \x01(\x0b\x32\".rlmesh.rollout.v1.SamplingOptions\x12$\n\x17\x65xpected_weight_version\x18\x05 \x01(\x03H\x00\x88\x01\x01\x42\x1a\n\x18_expected_weight_version\"\xaf\x02\n\x10GenerateResponse\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x34\n\x12response_token_ids\x18\x03 \x01(\x0b\x32\x18.rlmesh.common.v1.Tensor\x12*\n\x08logprobs\x18\x04 \x01(\x0b\x32\x18.rlmesh.common.v1.Tensor\x12\x36\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1f.rlmesh.rollout.v1.FinishReason\x12\x16\n\x0eweight_version\x18\x06 \x01(\x03\x12\x32\n\x10prompt_token_ids\x18\x07 \x01(\x0b\x32\x18.rlmesh.common.v1.Tensor\x12\x0c\n\x04text\x18\x08 \x01(\t\"\xcb\x01\n\x19InitWeightTransferRequest\x12\x31\n\x07\x62\x61\x63kend\x18\x01 \x01(\x0e\x32 .rlmesh.rollout.v1.WeightBackend\x12\x16\n\x0emaster_address\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x13\n\x0brank_offset\x18\x05 \x01(\x05\x12\x12\n\ngroup_name\x18\x06 \x01(\t\x12\x11\n\ttimeout_s\x18\x07 \x01(\x02\"+\n\x1aInitWeightTransferResponse\x12\r\n\x05ranks\x18\x01 \x03(\x05\"z\n\rParameterMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12&\n\x05\x64type\x18\x02 \x01(\x0e\x32\x17.rlmesh.common.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06\x62ucket\x18\x04 \x01(\x05\x12\x14\n\x0coffset_bytes\x18\x05 \x01(\x03\"\x94\x02\n\tIpcBucket\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\x05\x12\x13\n\x0b\x64\x65vice_uuid\x18\x02 \x01(\t\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\x12\x15\n\rtensor_offset\x18\x04 \x01(\x03\x12\x16\n\x0estorage_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x06 \x01(\x03\x12\x1c\n\x14storage_offset_bytes\x18\x07 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x08 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\t \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\n \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x0b \x01(\x08\"\xc6\x01\n\x14UpdateWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\x05\x12\r\n\x05\x66inal\x18\x03 \x01(\x08\x12\x30\n\x06params\x18\x04 \x03(\x0b\x32 .rlmesh.rollout.v1.ParameterMeta\x12\x14\n\x0c\x62ucket_bytes\x18\x05 \x03(\x03\x12\x31\n\x0bipc_buckets\x18\x06 \x03(\x0b\x32\x1c.rlmesh.rollout.v1.IpcBucket\"v\n\x15UpdateWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\x12\x18\n\x10weights_checksum\x18\x02 \x01(\t\x12\x17\n\x0freceived_params\x18\x03 \x01(\x05\x12\x12\n\nduration_s\x18\x04 \x01(\x01\"1\n\x13GetModelInfoRequest\x12\x1a\n\x12include_parameters\x18\x01 \x01(\x08\"\xc2\x03\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x18\n\x10weights_checksum\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x32\n\x0b\x65ngine_kind\x18\x06 \x01(\x0e\x32\x1d.rlmesh.rollout.v1.EngineKind\x12\x16\n\x0e\x65ngine_version\x18\x07 \x01(\t\x12.\n\rweights_dtype\x18\x08 \x01(\x0e\x32\x17.rlmesh.common.v1.DType\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\x05\x12\x36\n\rweights_state\x18\n \x01(\x0e\x32\x1f.rlmesh.rollout.v1.WeightsState\x12\x1c\n\x14weights_state_detail\x18\x0b \x01(\t\x12\x13\n\x0bsleep_level\x18\x0c \x01(\x05\x12\x34\n\nparameters\x18\r \x03(\x0b\x32 .rlmesh.rollout.v1.ParameterMeta\"\x1d\n\x0cSleepRequest\x12\r\n\x05level\x18\x01 \x01(\x05\"8\n\rSleepResponse\x12\x13\n\x0b\x66reed_bytes\x18\x01 \x01(\x03\x12\x12\n\nduration_s\x18\x02 \x01(\x01\"\x1d\n\rWakeUpRequest\x12\x0c\n\x04tags\x18\x01 \x03(\t\"9\n\x0eWakeUpResponse\x12\x13\n\x0b\x66ully_awake\x18\x01 \x01(\x08\x12\x12\n\nduration_s\x18\x02 \x01(\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*y\n\rWeightBackend\x12\x1e\n\x1aWEIGHT_BACKEND_UNSPECIFIED\x10\x00\x12\x17\n\x13WEIGHT_BACKEND_GLOO\x10\x01\x12\x17\n\x13WEIGHT_BACKEND_NCCL\x10\x02\x12\x16\n\x12WEIGHT_BACKEND_IPC\x10\x03*S\n\nEngineKind\x12\x1b\n\x17\x45NGINE_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10\x45NGINE_KIND_VLLM\x10\x01\x12\x12\n\x0e\x45NGINE_KIND_HF\x10\x02*\x80\x01\n\x0cWeightsState\x12\x1d\n\x19WEIGHTS_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13WEIGHTS_STATE_READY\x10\x01\x12\x1a\n\x16WEIGHTS_STATE_UPDATING\x10\x02\x12\x1c\n\x18WEIGHTS_STATE_INCOMPLETE\x10\x03\x32\xba\x04\n\x0eRolloutService\x12U\n\x08Generate\x12\".rlmesh.rollout.v1.GenerateRequest\x1a#.rlmesh.rollout.v1.GenerateResponse0\x01\x12q\n\x12InitWeightTransfer\x12,.rlmesh.rollout.v1.InitWeightTransferRequest\x1a-.rlmesh.rollout.v1.InitWeightTransferResponse\x12\x62\n\rUpdateWeights\x12\'.rlmesh.rollout.v1.UpdateWeightsRequest\x1a(.rlmesh.rollout.v1.UpdateWeightsResponse\x12_\n\x0cGetModelInfo\x12&.rlmesh.rollout.v1.GetModelInfoRequest\x1a\'.rlmesh.rollout.v1.GetModelInfoResponse\x12J\n\x05Sleep\x12\x1f.rlmesh.rollout.v1.SleepRequest\x1a .rlmesh.rollout.v1.SleepResponse\x12M\n\x06WakeUp\x12 .rlmesh.rollout.v1.WakeUpRequest\x1a!.rlmesh.rollout.v1.WakeUpResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frlmesh/rollout/v1/rollout.proto\x12\x11rlmesh.rollout.v1\x1a\x1drlmesh/common/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"@\n\x0c\x43hatMessages\x12\x30\n\x08messages\x18\x01 \x03(\x0b\x32\x1e.rlmesh.rollout.v1.ChatMessage\"\x94\x01\n\x06Prompt\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12-\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x18.rlmesh.common.v1.TensorH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12/\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1f.rlmesh.rollout.v1.ChatMessagesH\x00\x42\x07\n\x05input\"\x88\x02\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x02\x88\x01\x01\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x13\n\x0breturn_text\x18\x0b \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xd4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x07prompts\x18\x02 \x03(\x0b\x32\x19.rlmesh.rollout.v1.Prompt\x12\t\n\x01n\x18\x03 \x01(\x05\x12\x34\n\x08sampling\x18\x04 \x01(\x0b\x32\".rlmesh.rollout.v1.SamplingOptions\x12$\n\x17\x65xpected_weight_version\x18\x05 \x01(\x03H\x00\x88\x01\x01\x42\x1a\n\x18_expected_weight_version\"\xe8\x02\n\x10GenerateResponse\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x34\n\x12response_token_ids\x18\x03 \x01(\x0b\x32\x18.rlmesh.common.v1.Tensor\x12*\n\x08logprobs\x18\x04 \x01(\x0b\x32\x18.rlmesh.common.v1.Tensor\x12\x36\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1f.rlmesh.rollout.v1.FinishReason\x12\x16\n\x0eweight_version\x18\x06 \x01(\x03\x12\x32\n\x10prompt_token_ids\x18\x07 \x01(\x0b\x32\x18.rlmesh.common.v1.Tensor\x12\x0c\n\x04text\x18\x08 \x01(\t\x12\x37\n\x15token_weight_versions\x18\t \x01(\x0b\x32\x18.rlmesh.common.v1.Tensor\"\xcb\x01\n\x19InitWeightTransferRequest\x12\x31\n\x07\x62\x61\x63kend\x18\x01 \x01(\x0e\x32 .rlmesh.rollout.v1.WeightBackend\x12\x16\n\x0emaster_address\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x13\n\x0brank_offset\x18\x05 \x01(\x05\x12\x12\n\ngroup_name\x18\x06 \x01(\t\x12\x11\n\ttimeout_s\x18\x07 \x01(\x02\"+\n\x1aInitWeightTransferResponse\x12\r\n\x05ranks\x18\x01 \x03(\x05\"z\n\rParameterMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12&\n\x05\x64type\x18\x02 \x01(\x0e\x32\x17.rlmesh.common.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06\x62ucket\x18\x04 \x01(\x05\x12\x14\n\x0coffset_bytes\x18\x05 \x01(\x03\"\x94\x02\n\tIpcBucket\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\x05\x12\x13\n\x0b\x64\x65vice_uuid\x18\x02 \x01(\t\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\x12\x15\n\rtensor_offset\x18\x04 \x01(\x03\x12\x16\n\x0estorage_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x06 \x01(\x03\x12\x1c\n\x14storage_offset_bytes\x18\x07 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x08 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\t \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\n \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x0b \x01(\x08\"\xe0\x01\n\x14UpdateWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\x05\x12\r\n\x05\x66inal\x18\x03 \x01(\x08\x12\x30\n\x06params\x18\x04 \x03(\x0b\x32 .rlmesh.rollout.v1.ParameterMeta\x12\x14\n\x0c\x62ucket_bytes\x18\x05 \x03(\x03\x12\x31\n\x0bipc_buckets\x18\x06 \x03(\x0b\x32\x1c.rlmesh.rollout.v1.IpcBucket\x12\x18\n\x10pause_generation\x18\x07 \x01(\x08\"v\n\x15UpdateWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\x12\x18\n\x10weights_checksum\x18\x02 \x01(\t\x12\x17\n\x0freceived_params\x18\x03 \x01(\x05\x12\x12\n\nduration_s\x18\x04 \x01(\x01\"1\n\x13GetModelInfoRequest\x12\x1a\n\x12include_parameters\x18\x01 \x01(\x08\"\xc2\x03\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x18\n\x10weights_checksum\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x32\n\x0b\x65ngine_kind\x18\x06 \x01(\x0e\x32\x1d.rlmesh.rollout.v1.EngineKind\x12\x16\n\x0e\x65ngine_version\x18\x07 \x01(\t\x12.\n\rweights_dtype\x18\x08 \x01(\x0e\x32\x17.rlmesh.common.v1.DType\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\x05\x12\x36\n\rweights_state\x18\n \x01(\x0e\x32\x1f.rlmesh.rollout.v1.WeightsState\x12\x1c\n\x14weights_state_detail\x18\x0b \x01(\t\x12\x13\n\x0bsleep_level\x18\x0c \x01(\x05\x12\x34\n\nparameters\x18\r \x03(\x0b\x32 .rlmesh.rollout.v1.ParameterMeta\"\x1d\n\x0cSleepRequest\x12\r\n\x05level\x18\x01 \x01(\x05\"8\n\rSleepResponse\x12\x13\n\x0b\x66reed_bytes\x18\x01 \x01(\x03\x12\x12\n\nduration_s\x18\x02 \x01(\x01\"\x1d\n\rWakeUpRequest\x12\x0c\n\x04tags\x18\x01 \x03(\t\"9\n\x0eWakeUpResponse\x12\x13\n\x0b\x66ully_awake\x18\x01 \x01(\x08\x12\x12\n\nduration_s\x18\x02 \x01(\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*y\n\rWeightBackend\x12\x1e\n\x1aWEIGHT_BACKEND_UNSPECIFIED\x10\x00\x12\x17\n\x13WEIGHT_BACKEND_GLOO\x10\x01\x12\x17\n\x13WEIGHT_BACKEND_NCCL\x10\x02\x12\x16\n\x12WEIGHT_BACKEND_IPC\x10\x03*S\n\nEngineKind\x12\x1b\n\x17\x45NGINE_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10\x45NGINE_KIND_VLLM\x10\x01\x12\x12\n\x0e\x45NGINE_KIND_HF\x10\x02*\x80\x01\n\x0cWeightsState\x12\x1d\n\x19WEIGHTS_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13WEIGHTS_STATE_READY\x10\x01\x12\x1a\n\x16WEIGHTS_STATE_UPDATING\x10\x02\x12\x1c\n\x18WEIGHTS_STATE_INCOMPLETE\x10\x03\x32\xba\x04\n\x0eRolloutService\x12U\n\x08Generate\x12\".rlmesh.rollout.v1.GenerateRequest\x1a#.rlmesh.rollout.v1.GenerateResponse0\x01\x12q\n\x12InitWeightTransfer\x12,.rlmesh.rollout.v1.InitWeightTransferRequest\x1a-.rlmesh.rollout.v1.InitWeightTransferResponse\x12\x62\n\rUpdateWeights\x12\'.rlmesh.rollout.v1.UpdateWeightsRequest\x1a(.rlmesh.rollout.v1.UpdateWeightsResponse\x12_\n\x0cGetModelInfo\x12&.rlmesh.rollout.v1.GetModelInfoRequest\x1a\'.rlmesh.rollout.v1.GetModelInfoResponse\x12J\n\x05Sleep\x12\x1f.rlmesh.rollout.v1.SleepRequest\x1a .rlmesh.rollout.v1.SleepResponse\x12M\n\x06WakeUp\x12 .rlmesh.rollout.v1.WakeUpRequest\x1a!.rlmesh.rollout.v1.WakeUpResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlmesh.rollout.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2794
-  _globals['_FINISHREASON']._serialized_end=2914
-  _globals['_WEIGHTBACKEND']._serialized_start=2916
-  _globals['_WEIGHTBACKEND']._serialized_end=3037
-  _globals['_ENGINEKIND']._serialized_start=3039
-  _globals['_ENGINEKIND']._serialized_end=3122
-  _globals['_WEIGHTSSTATE']._serialized_start=3125
-  _globals['_WEIGHTSSTATE']._serialized_end=3253
+  _globals['_FINISHREASON']._serialized_start=2877
+  _globals['_FINISHREASON']._serialized_end=2997
+  _globals['_WEIGHTBACKEND']._serialized_start=2999
+  _globals['_WEIGHTBACKEND']._serialized_end=3120
+  _globals['_ENGINEKIND']._serialized_start=3122
+  _globals['_ENGINEKIND']._serialized_end=3205
+  _globals['_WEIGHTSSTATE']._serialized_start=3208
+  _globals['_WEIGHTSSTATE']._serialized_end=3336
   _globals['_CHATMESSAGE']._serialized_start=85
   _globals['_CHATMESSAGE']._serialized_end=129
   _globals['_CHATMESSAGES']._serialized_start=131
@@ -51,31 +51,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=616
   _globals['_GENERATEREQUEST']._serialized_end=828
   _globals['_GENERATERESPONSE']._serialized_start=831
-  _globals['_GENERATERESPONSE']._serialized_end=1134
-  _globals['_INITWEIGHTTRANSFERREQUEST']._serialized_start=1137
-  _globals['_INITWEIGHTTRANSFERREQUEST']._serialized_end=1340
-  _globals['_INITWEIGHTTRANSFERRESPONSE']._serialized_start=1342
-  _globals['_INITWEIGHTTRANSFERRESPONSE']._serialized_end=1385
-  _globals['_PARAMETERMETA']._serialized_start=1387
-  _globals['_PARAMETERMETA']._serialized_end=1509
-  _globals['_IPCBUCKET']._serialized_start=1512
-  _globals['_IPCBUCKET']._serialized_end=1788
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1791
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1989
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1991
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=2109
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2111
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2160
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2163
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2613
-  _globals['_SLEEPREQUEST']._serialized_start=2615
-  _globals['_SLEEPREQUEST']._serialized_end=2644
-  _globals['_SLEEPRESPONSE']._serialized_start=2646
-  _globals['_SLEEPRESPONSE']._serialized_end=2702
-  _globals['_WAKEUPREQUEST']._serialized_start=2704
-  _globals['_WAKEUPREQUEST']._serialized_end=2733
-  _globals['_WAKEUPRESPONSE']._serialized_start=2735
-  _globals['_WAKEUPRESPONSE']._serialized_end=2792
-  _globals['_ROLLOUTSERVICE']._serialized_start=3256
-  _globals['_ROLLOUTSERVICE']._serialized_end=3826
+  _globals['_GENERATERESPONSE']._serialized_end=1191
+  _globals['_INITWEIGHTTRANSFERREQUEST']._serialized_start=1194
+  _globals['_INITWEIGHTTRANSFERREQUEST']._serialized_end=1397
+  _globals['_INITWEIGHTTRANSFERRESPONSE']._serialized_start=1399
+  _globals['_INITWEIGHTTRANSFERRESPONSE']._serialized_end=1442
+  _globals['_PARAMETERMETA']._serialized_start=1444
+  _globals['_PARAMETERMETA']._serialized_end=1566
+  _globals['_IPCBUCKET']._serialized_start=1569
+  _globals['_IPCBUCKET']._serialized_end=1845
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1848
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=2072
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=2074
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=2192
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2194
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2243
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2246
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2696
+  _globals['_SLEEPREQUEST']._serialized_start=2698
+  _globals['_SLEEPREQUEST']._serialized_end=2727
+  _globals['_SLEEPRESPONSE']._serialized_start=2729
+  _globals['_SLEEPRESPONSE']._serialized_end=2785
+  _globals['_WAKEUPREQUEST']._serialized_start=2787
+  _globals['_WAKEUPREQUEST']._serialized_end=2816
+  _globals['_WAKEUPRESPONSE']._serialized_start=2818
+  _globals['_WAKEUPRESPONSE']._serialized_end=2875
+  _globals['_ROLLOUTSERVICE']._serialized_start=3339
+  _globals['_ROLLOUTSERVICE']._serialized_end=3909
 # @@protoc_insertion_point(module_scope)

@@ -117,7 +117,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., expected_weight_version: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("prompt_id", "sample_index", "response_token_ids", "logprobs", "finish_reason", "weight_version", "prompt_token_ids", "text")
+    __slots__ = ("prompt_id", "sample_index", "response_token_ids", "logprobs", "finish_reason", "weight_version", "prompt_token_ids", "text", "token_weight_versions")
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,7 @@ class GenerateResponse(_message.Message):
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_WEIGHT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     sample_index: int
     response_token_ids: _common_pb2.Tensor
@@ -134,7 +135,8 @@ class GenerateResponse(_message.Message):
     weight_version: int
     prompt_token_ids: _common_pb2.Tensor
     text: str
-    def __init__(self, prompt_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., response_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., weight_version: _Optional[int] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., text: _Optional[str] = ...) -> None: ...
+    token_weight_versions: _common_pb2.Tensor
+    def __init__(self, prompt_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., response_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., weight_version: _Optional[int] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., text: _Optional[str] = ..., token_weight_versions: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class InitWeightTransferRequest(_message.Message):
     __slots__ = ("backend", "master_address", "master_port", "world_size", "rank_offset", "group_name", "timeout_s")
@@ -201,20 +203,22 @@ class IpcBucket(_message.Message):
     def __init__(self, bucket: _Optional[int] = ..., device_uuid: _Optional[str] = ..., nbytes: _Optional[int] = ..., tensor_offset: _Optional[int] = ..., storage_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("version", "chunk_index", "final", "params", "bucket_bytes", "ipc_buckets")
+    __slots__ = ("version", "chunk_index", "final", "params", "bucket_bytes", "ipc_buckets", "pause_generation")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
     IPC_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_GENERATION_FIELD_NUMBER: _ClassVar[int]
     version: int
     chunk_index: int
     final: bool
     params: _containers.RepeatedCompositeFieldContainer[ParameterMeta]
     bucket_bytes: _containers.RepeatedScalarFieldContainer[int]
     ipc_buckets: _containers.RepeatedCompositeFieldContainer[IpcBucket]
-    def __init__(self, version: _Optional[int] = ..., chunk_index: _Optional[int] = ..., final: _Optional[bool] = ..., params: _Optional[_Iterable[_Union[ParameterMeta, _Mapping]]] = ..., bucket_bytes: _Optional[_Iterable[int]] = ..., ipc_buckets: _Optional[_Iterable[_Union[IpcBucket, _Mapping]]] = ...) -> None: ...
+    pause_generation: bool
+    def __init__(self, version: _Optional[int] = ..., chunk_index: _Optional[int] = ..., final: _Optional[bool] = ..., params: _Optional[_Iterable[_Union[ParameterMeta, _Mapping]]] = ..., bucket_bytes: _Optional[_Iterable[int]] = ..., ipc_buckets: _Optional[_Iterable[_Union[IpcBucket, _Mapping]]] = ..., pause_generation: _Optional[bool] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("weight_version", "weights_checksum", "received_params", "duration_s")

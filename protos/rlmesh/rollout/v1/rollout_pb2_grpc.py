@@ -93,8 +93,11 @@ class RolloutServiceServicer:
     def UpdateWeights(self, request, context):
         """Receives one chunk of a versioned weight push (by default the whole push in one chunk); the
         tensors arrive over the collective (gloo / nccl) or as CUDA IPC handles (ipc), never inside
-        this message. Waits for running Generate calls to finish first. Deadline: the push time plus
-        the longest running generation. Not retry-safe: the sender must broadcast again with it.
+        this message. Waits for running Generate calls to finish first, unless pause_generation is
+        set (partial rollout: they are frozen for the push and continue on the new weights).
+        FAILED_PRECONDITION for pause_generation on an engine without pause/resume (--engine hf).
+        Deadline: the push time plus the longest running generation. Not retry-safe: the sender must
+        broadcast again with it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
