@@ -122,6 +122,11 @@ def build_inputs(out: pathlib.Path, args) -> dict[str, pathlib.Path]:
     model = out / "model"
     if not (model / "config.json").exists():
         make_tiny_model(model, size=args.size, seed=0)
+        # bf16 on disk: every framework's "auto" dtype (vLLM's included) then means bf16.
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).save_pretrained(model)
     paths = {"A": model}
     if "B" in args.jobs:
         paths["B"] = out / "model_no_eos"
