@@ -290,8 +290,10 @@ class RayPlacement:
         for p in members:
             try:
                 await p.actor.stop.remote(5.0)
-            except ray.exceptions.RayActorError:
+            except ray.exceptions.RayActorError as exc:
+                # Its bundle is free again once Ray has seen the actor die: a new actor takes it.
                 self._make_actor(p)
+                log_event(_log, "ray.actor_replaced", service=p.spec.name, why=type(exc).__name__)
         if name == "learner":
             await self._start_learner()
             return self.learner_host.address
@@ -336,11 +338,13 @@ class RayPlacement:
     async def remove(self, name: str) -> None:
         """Stops the instance's child, its actor and (when it had one of its own) its placement group."""
         p = next(p for p in self.placed if p.spec.name == name)
+        code = None
         try:
-            await asyncio.wait_for(p.actor.stop.remote(30.0), 60.0)
+            code = await asyncio.wait_for(p.actor.stop.remote(30.0), 60.0)
         except (asyncio.TimeoutError, ray.exceptions.RayActorError):
             pass
         ray.kill(p.actor)
+        log_event(_log, "service.stopped", service=name, code=code)
         self.placed.remove(p)
         group = p.bundles[0][0]
         if not any(g is group for q in self.placed for g, _ in q.bundles):

@@ -98,9 +98,11 @@ class Scaler:
 
     def _remove(self, instance: Instance) -> str:
         instance.state = DRAINING
-        self.sup.event("service.draining", service=instance.name, address=instance.address)
+        in_flight = 0  # rollout samples requested and not yet received
         if instance.name in self.recovery.rollout_index:
-            self.t.pool.engine(self.recovery.rollout_index[instance.name]).draining = True
+            engine = self.t.pool.engine(self.recovery.rollout_index[instance.name])
+            engine.draining, in_flight = True, engine.outstanding
+        self.sup.event("service.draining", service=instance.name, address=instance.address, in_flight=in_flight)
         task = asyncio.ensure_future(self._drain(instance))
         self._drains.add(task)
         task.add_done_callback(self._drains.discard)
