@@ -139,6 +139,10 @@ def _resolve(credentials: ClientCredentials | None, tls_ca: str, tls_cert: str, 
 
 def _options(service_full_name, idempotent_methods, max_message_mb, keepalive_time_s, keepalive_timeout_s):
     return [*channel_options(max_message_mb, keepalive_time_s, keepalive_timeout_s),
+            # A service that restarts at the same address (static placement, a restarted container)
+            # is reconnected within a second of serving again; gRPC's default back-off grows to two
+            # minutes while it is down, and calls in between fail at once with UNAVAILABLE.
+            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000),
             ("grpc.enable_retries", 1),
             ("grpc.service_config", service_config(service_full_name, idempotent_methods))]
 
