@@ -114,11 +114,14 @@ class Supervisor:
     async def check_all(self) -> list[Instance]:
         """Asks the placement about every live instance now; returns those not serving afterwards."""
         live = [i for i in self.instances.values() if i.state in (SERVING, SYNCING, DRAINING)]
+        restarts = [i.restarts for i in live]
         results = await asyncio.gather(*(self.placement.check(i.name) for i in live), return_exceptions=True)
-        for instance, how in zip(live, results):
+        for instance, how, restarts_before in zip(live, results, restarts):
             if isinstance(how, BaseException):
                 how = f"its placement could not be asked ({type(how).__name__}: {how})"
-            if how and instance.state != DEAD:
+            # Checks overlap (the watch loop's and a failed call's; a static check takes a second):
+            # a death another check already reported, or one from before a restart, is not a new one.
+            if how and instance.state in (SERVING, SYNCING, DRAINING) and instance.restarts == restarts_before:
                 self._died(instance, how)
         return self.not_serving()
 
