@@ -482,7 +482,13 @@ class RankGroupDriver:
         # Ranks that succeeded are sending their results; take them even when another rank failed,
         # or those ranks would still be sending when the next command comes.
         sizes = {rank: s[1] for rank, s in statuses.items() if s[0] == "ok"}
-        received = {} if startup or not sizes else await loop.run_in_executor(self.io, self._recv_results, seq, sizes)
+        received = {}
+        if sizes and not startup:
+            try:
+                received = await loop.run_in_executor(self.io, self._recv_results, seq, sizes)
+            except Exception as exc:  # noqa: BLE001 - a rank died between reporting "ok" and sending its result
+                raise self._fail(RankFailure(-1, type(exc).__name__, f"receiving {name}'s results from the ranks "
+                                             f"failed: {exc}", ""), fatal=True) from exc
         if failures:
             # Every rank finished. Deliberate ServiceErrors are raised where no rank of the group is
             # left waiting (before a command's collectives, or about another group), so the ranks
