@@ -25,6 +25,9 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from rlmesh.learner.v1 import learner_pb2
 from rlmesh.rollout.v1 import rollout_pb2
 from services.coordinator import checkpoint
@@ -34,6 +37,9 @@ from services.coordinator.supervisor import RECOVERED_SAMPLES, REDONE_STEPS, SER
 # How long a failed call waits for the supervisor to see the death that caused it: a killed
 # process is usually gone before its connection resets, but a busy machine can lag.
 DEATH_GRACE_S = 3.0
+# Longer while the learner does not report SERVING: after losing a rank it fails the call, stops
+# serving and exits (its ranks may be out of step), which a loaded machine can take seconds to do.
+LEARNER_EXIT_S = 60.0
 
 
 class LearnerRestarted(RuntimeError):
@@ -112,18 +118,28 @@ class Recovery:
         return self.sup.instances[name]
 
     async def _dead_now(self) -> list[Instance]:
-        """The instances that are down, after giving the supervisor DEATH_GRACE_S to notice one."""
+        """The instances that are down, after giving the supervisor DEATH_GRACE_S to notice one
+        (up to LEARNER_EXIT_S while the learner is not serving)."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + DEATH_GRACE_S
+        start = loop.time()
         while True:
             down = await self.sup.check_all()
-            if down or loop.time() > deadline:
+            waited = loop.time() - start
+            if down or waited > LEARNER_EXIT_S or (waited > DEATH_GRACE_S and await self._learner_serving()):
                 break
             await asyncio.sleep(0.25)
         for instance in down:
             if instance.name in self.rollout_index:
                 self.t.pool.engine(self.rollout_index[instance.name]).healthy = False
         return down
+
+    async def _learner_serving(self) -> bool:
+        try:
+            reply = await health_pb2_grpc.HealthStub(self.t.learner_channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=5.0)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     # ---- admitting engines: a new weight group and the current weights ----
     def _members(self) -> list:
