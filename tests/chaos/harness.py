@@ -34,7 +34,7 @@ COMPARED = ("samples/generated", "samples/trained", "reward/mean", "response_len
 
 @dataclasses.dataclass
 class Kill:
-    service: str  # "rollout-0", "reward-0", "learner", "coordinator"
+    service: str  # "rollout-0", "reward-0", "learner", "learner-rank1" (a rank > 0), "coordinator"
     phase: str  # a key of PHASES
     step: int  # global step (1-based) during which the kill lands
     delay_s: float = 0.0  # after the phase is seen
@@ -94,7 +94,18 @@ def _read_jsonl(path: pathlib.Path) -> list[dict]:
 
 
 def _pid_of(run_dir: pathlib.Path, service: str) -> int:
-    return json.loads((run_dir / "logs" / f"{service}.ready.json").read_text())["pid"]
+    """The process of a service; "learner-rank1" is rank 1 of a learner with several ranks (a child
+    of rank 0, which started it with RANK=1)."""
+    name, _, rank = service.partition("-rank")
+    pid = json.loads((run_dir / "logs" / f"{name}.ready.json").read_text())["pid"]
+    if not rank:
+        return pid
+    import psutil
+
+    for child in psutil.Process(pid).children():
+        if child.environ().get("RANK") == rank:
+            return child.pid
+    raise RuntimeError(f"{service}: no child of the learner ({pid}) runs with RANK={rank}")
 
 
 def _wait_moment(stub, kill: Kill, proc: subprocess.Popen, timeout_s: float) -> bool:
