@@ -172,6 +172,9 @@ class CoordinatorConfig(ServerConfig):
                                 "step starts only once the weights are recent enough, so none is ever past the "
                                 "bound; drop = generation never waits and groups with a sample past the bound are "
                                 "dropped (counted in async/dropped_stale_samples)", choices=["wait", "drop"])
+    partial_rollout: bool = opt(False, "with --async_train: a weight push does not wait for running generations; "
+                                "they pause, take the new weights and continue, so a sample's tokens may carry two "
+                                "or more versions (its oldest token's counts for --max_staleness); needs vLLM engines")
     use_tis: bool = opt(False, "truncated importance sampling: weight each token's policy loss by "
                         "min(exp(old_logprob - rollout_logprob), --tis_cap), the rollout engine's own log-probs "
                         "being the behaviour policy (corrects for --async_train lag and engine/learner mismatch)")
@@ -553,6 +556,16 @@ class CoordinatorConfig(ServerConfig):
             raise ConfigError("--async_train overlaps generation and training, but --colocate_all_models / "
                               "--vllm_enable_sleep / --deepspeed_enable_sleep run them one after another on the "
                               "same GPUs; drop one or the other")
+        if self.partial_rollout and not self.async_train:
+            raise ConfigError("--partial_rollout lets a weight push land in the middle of a generation, which only "
+                              "overlaps pushes with --async_train; add --async_train, or drop --partial_rollout")
+        if self.partial_rollout and self.rollout_engine == "hf" and self.placement != "static":
+            raise ConfigError("--partial_rollout pauses running generations for a push, which --rollout_engine hf "
+                              "cannot do (it decodes each batch to its end); use --rollout_engine vllm, or drop "
+                              "--partial_rollout")
+        if self.partial_rollout and self.agent_func_path:
+            raise ConfigError("--partial_rollout with --agent_func_path is not supported: agent episodes record one "
+                              "weight version per model turn; drop --partial_rollout for agent training")
         if self.use_tis and not self.tis_cap >= 1:
             raise ConfigError(f"--tis_cap {self.tis_cap} must be >= 1 (e.g. 2.0)")
         if not self.agent_func_path:

@@ -40,7 +40,7 @@ from services.coordinator.advantages import (compute_advantages, keep_group, len
                                              pad_right, update_kl_coef)
 from services.coordinator import checkpoint
 from services.coordinator.agent import AgentRunner
-from services.coordinator.async_loop import AsyncSteps, CollectedStep, admit_fresh
+from services.coordinator.async_loop import AsyncSteps, CollectedStep, admit_fresh, token_versions
 from services.coordinator.checkpoint import CoordinatorState, config_digest
 from services.coordinator.config import CoordinatorConfig
 from services.coordinator.control import RunControl, ServiceEntry
@@ -283,6 +283,7 @@ class Trainer:
             async for message in call:
                 if message.HasField("chunk"):
                     update = message.chunk.update
+                    update.pause_generation = self.config.partial_rollout  # running generations continue on it
                     replies = await gather_or_cancel([e.stub.UpdateWeights(update, timeout=self.config.rpc_timeout_s)
                                                        for e in engines])
                     await requests.put(learner_pb2.PushWeightsRequest(
@@ -405,7 +406,7 @@ class Trainer:
         rollout_logprobs = from_proto(response.logprobs, "logprobs").float() if self.config.use_tis else None
         return Sample(prompt=prompt, index=response.sample_index, response_ids=ids, text=response.text,
                       finish_reason=response.finish_reason, weight_version=response.weight_version,
-                      rollout_logprobs=rollout_logprobs)
+                      rollout_logprobs=rollout_logprobs, token_versions=token_versions(response))
 
     async def _generate(self, collector: StepCollector, step: int, progress) -> dict:
         """Generation of the step, with DAPO refill rounds; returns generation metrics."""

@@ -74,6 +74,8 @@ def test_openrlhf_grpo_command_parses(paths):
     (["--label_key", ""], "set --label_key"),
     (["--dynamic_filtering", "--dynamic_filtering_reward_range", "1", "0"], "LOW < HIGH"),
     (["--rollout_addresses", "127.0.0.1:1"], "use --placement static"),
+    (["--partial_rollout"], "add --async_train"),
+    (["--partial_rollout", "--async_train", "--rollout_engine", "hf"], "use --rollout_engine vllm"),
 ])
 def test_contradictions_fail_with_a_fix(paths, extra, needle):
     with pytest.raises(ConfigError, match=None) as err:
