@@ -117,6 +117,8 @@ class Supervisor:
         restarts = [i.restarts for i in live]
         results = await asyncio.gather(*(self.placement.check(i.name) for i in live), return_exceptions=True)
         for instance, how, restarts_before in zip(live, results, restarts):
+            if self.instances.get(instance.name) is not instance:
+                continue  # scaled down while it was asked: its stop is no death
             if isinstance(how, BaseException):
                 how = f"its placement could not be asked ({type(how).__name__}: {how})"
             # Checks overlap (the watch loop's and a failed call's; a static check takes a second):
