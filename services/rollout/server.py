@@ -309,7 +309,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         if pause and not self.frozen:
             await self.engine.pause_generation()
             self.frozen = True
-            await self.gate.hold_shared(True)  # new Generate calls wait for the final chunk, not refused between chunks
+            await self.gate.hold_shared(True)  # new Generate calls wait for the final chunk (not refused between)
             log_event(log, "weights.generation_frozen", version=version, samples=self.engine.running_samples())
         self._set_state(rollout_pb2.WEIGHTS_STATE_UPDATING,
                         f"a push of weight version {version} is under way (chunk {chunk.chunk_index} arriving); "

@@ -1,7 +1,8 @@
 """--async_train through the real services: generation of the next step overlaps training of the
 current one, every sample's staleness stays within --max_staleness, the loss is corrected with the
-engine's own log-probs (--use_tis), and the staleness policy "drop" drops and counts what is past
-the bound."""
+engine's own log-probs (--use_tis), the staleness policy "drop" drops and counts what is past the
+bound, and --partial_rollout pushes through the engines' pause/resume and counts a sample's
+staleness by its oldest token."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def test_async_grpo_overlaps_generation_with_training(tiny_model_dir, tiny_data_
     log = tmp_path / "coordinator.log"
     proc = start_coordinator("services.coordinator",
                              grpo_argv(tiny_model_dir, tiny_data_dir, tmp_path, "--async_train", "--max_staleness", "1",
-                                       "--use_tis", "--tis_cap", "2"),
+                                       "--use_tis", "--tis_cap", "2", "--partial_rollout"),
                              log)
     output = finish(proc, log, timeout_s=900)
     assert proc.returncode == 0, output[-6000:]
@@ -56,6 +57,12 @@ def test_async_grpo_overlaps_generation_with_training(tiny_model_dir, tiny_data_
     for r in records:
         assert 0 < r["actor/tis_weight_mean"] <= 2
     assert abs(records[0]["actor/tis_weight_mean"] - 1) < 0.2, records[0]["actor/tis_weight_mean"]
+    # --partial_rollout: every push went through the engine's freeze and resume instead of waiting.
+    # (Here the learner is slower than generation, so the pushes find the engine idle: samples that
+    # span a push are shown by tests/rollout's partial-push test and the per-token test below.)
+    frozen = re.findall(r"weights\.generation_frozen version=(\d+)", (tmp_path / "run/logs/rollout-0.log").read_text())
+    assert [int(v) for v in frozen] == [1, 2, 3, 4], frozen
+    assert all("async/mixed_version_samples" in r for r in records)
 
 
 def _samples(versions: list[int]) -> list[Sample]:
@@ -76,3 +83,21 @@ def test_admit_fresh_drops_whole_groups_past_the_bound():
     assert kept == []
     with pytest.raises(RuntimeError, match="past --max_staleness 1"):
         admit_fresh(samples, 2, 5, 1, "wait")
+
+
+def test_partial_rollout_samples_are_as_stale_as_their_oldest_token():
+    """A sample a --partial_rollout push split (versions 3 then 4, from the rollout service's
+    token_weight_versions) counts as version 3: past the bound of 0 under version 4, within 1."""
+    from rlmesh.rollout.v1 import rollout_pb2
+    from services.common.tensors import to_proto
+    from services.coordinator.async_loop import token_versions
+
+    response = rollout_pb2.GenerateResponse(weight_version=3)
+    assert token_versions(response) is None
+    response.token_weight_versions.CopyFrom(to_proto(torch.tensor([3, 3, 4], dtype=torch.int64)))
+    samples = _samples([4, 4])
+    samples[1].token_versions = token_versions(response)
+    kept, metrics = admit_fresh(samples, 2, 4, 0, "drop")
+    assert kept == [] and metrics["async/dropped_stale_samples"] == 2 and metrics["async/mixed_version_samples"] == 1
+    kept, _ = admit_fresh(samples, 2, 4, 1, "drop")
+    assert kept == samples

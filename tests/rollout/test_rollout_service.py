@@ -423,7 +423,8 @@ def test_partial_push_continues_running_generation_on_the_new_weights(stub, vllm
         assert r.weight_version == version
         prompt = GREEDY_PROMPTS[int(r.prompt_id)]
         # Each token's log-prob is that of the model its version names, before and after the switch.
-        expected = hf_response_logprobs(model_a, prompt, ids)[:switch] + hf_response_logprobs(model_b, prompt, ids)[switch:]
+        expected = (hf_response_logprobs(model_a, prompt, ids)[:switch]
+                    + hf_response_logprobs(model_b, prompt, ids)[switch:])
         assert max(abs(a - b) for a, b in zip(logprobs(r), expected)) < LOGPROB_ATOL
         # The continuation is the new model's greedy one, not the one the old weights would have made.
         after = hf_greedy(model_b, prompt + ids[:switch], 8)
