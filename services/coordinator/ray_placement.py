@@ -355,12 +355,19 @@ class RayPlacement:
         try:
             # The run's TLS settings and token (services.common.security); the token in env, not argv.
             secure_argv, secure_env = launch_settings(self.cfg, client_credentials())
-            info = await p.actor.start.remote(p.spec.module, [*p.spec.argv, *secure_argv],
-                                              {**p.spec.env, **(env or {}), **secure_env}, wait,
-                                              self.cfg.service_start_timeout_s)
+            # Bounded here too: an actor whose bundle has no node (a lost node) never runs the call.
+            info = await asyncio.wait_for(p.actor.start.remote(p.spec.module, [*p.spec.argv, *secure_argv],
+                                                               {**p.spec.env, **(env or {}), **secure_env}, wait,
+                                                               self.cfg.service_start_timeout_s),
+                                          self.cfg.service_start_timeout_s + 60.0)
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if isinstance(exc.cause, ServiceStartError) else exc
             raise ServiceStartError(f"{p.spec.name} on Ray: {cause}") from None
+        except asyncio.TimeoutError:
+            raise ServiceStartError(f"{p.spec.name} on Ray: its actor did not start the service within "
+                                    f"{self.cfg.service_start_timeout_s + 60.0:.0f} s (`ray status` shows whether "
+                                    "its placement group still has a node); raise --service_start_timeout_s if "
+                                    "it only starts slowly") from None
         p.address = info["address"]
         log_event(_log, "ray.service_ready" if wait else "ray.service_started", service=p.spec.name,
                   address=p.address or "-", node=info["node_ip"], log=info["log"])

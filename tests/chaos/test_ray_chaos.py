@@ -7,7 +7,9 @@ instance of the run's own), real service processes, real `kill -9`, never a mock
    and checksum verified).
 2. `rlmesh scale rollout 3` (paused between steps) adds rollout-2 as an actor on a placement group
    of its own; it gets the current weights before its first prompt. `Scale rollout 2` during the
-   next step's generation drains it (its in-flight samples still arrive) and removes it.
+   next step's generation drains it (its in-flight samples still arrive) and removes it. A second
+   reward + reference instance joins with rollout-2 (`Scale reward 2`) and leaves after step 3's
+   learner restart (`Scale reward 1`).
 3. The learner's service process is killed while step 3 trains: its actor (alive) starts it again,
    it loads the newest checkpoint and the step is done again.
 
@@ -53,6 +55,15 @@ def _engine(status: pb.GetStatusResponse, index: int) -> pb.ServiceStatus | None
     return next((s for s in status.services if s.role == "rollout" and s.index == index), None)
 
 
+def _wait_log(path: pathlib.Path, text: str, proc, timeout_s: float) -> None:
+    """Until a service's log holds `text` (a log line is written as the service gets there)."""
+    deadline = time.monotonic() + timeout_s
+    while not (path.is_file() and text in path.read_text(errors="replace")):
+        assert proc.poll() is None, f"the coordinator exited while waiting for {text!r} in {path.name}"
+        assert time.monotonic() < deadline, f"no {text!r} in {path.name} within {timeout_s} s"
+        time.sleep(0.01)
+
+
 def _pid(run_dir: pathlib.Path, service: str) -> int:
     return json.loads((run_dir / "logs" / f"{service}.ready.json").read_text())["pid"]
 
@@ -65,6 +76,13 @@ def _parent(pid: int) -> int:
 def _since_last_start(log: str) -> str:
     """The part of a service's log written by its latest process (each start appends `$ command`)."""
     return log[log.rfind("\n$ ") + 1:]
+
+
+def _events_text(run_dir: pathlib.Path, service: str) -> str:
+    """The lines of events.jsonl about one service."""
+    path = run_dir / "events.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return "\n".join(line for line in lines if f'"service": "{service}"' in line)
 
 
 def _counter(metrics: str, name: str, **labels: str) -> float:
@@ -92,9 +110,8 @@ def test_ray_kills_restarts_and_scaling(tiny_model_dir, tiny_data_dir, tmp_path,
         with make_sync_channel(control["address"], credentials=ClientCredentials(token=token),
                                default_timeout_s=600) as channel:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-            # 1. rollout-0 dies while step 1 generates: its service process and its Ray actor.
-            _wait(stub, lambda s: s.state == pb.RUN_STATE_RUNNING and s.phase == pb.PHASE_GENERATING, proc, 300,
-                  "step 1's generation")
+            # 1. rollout-0 dies while it generates for step 1: its service process and its Ray actor.
+            _wait_log(run_dir / "logs" / "rollout-0.log", "generate.start request_id=step1-", proc, 300)
             engine_pid = _pid(run_dir, "rollout-0")
             actor_pid = _parent(engine_pid)
             os.kill(engine_pid, signal.SIGKILL)
@@ -106,14 +123,17 @@ def test_ray_kills_restarts_and_scaling(tiny_model_dir, tiny_data_dir, tmp_path,
             assert scale_main(["rollout", "3", "--address", control["address"], "--run_dir", str(run_dir)]) == 0
             added = json.loads(capsys.readouterr().out)
             assert len(added["added"]) == 1 and len(added["addresses"]) == 3
+            # And a second reward + reference instance, through the RPC itself.
+            reply = stub.Scale(pb.ScaleRequest(role="reward", replicas=2), timeout=300)
+            assert len(reply.added) == 1 and len(reply.addresses) == 2
+            reward_added = reply.added[0]
             _wait(stub, lambda s: _engine(s, 0).restarts == 1 and _engine(s, 0).state in ("syncing", "serving"),
                   proc, 300, "rollout-0 restarted")
             # A new actor (a new process) started it again.
             assert _parent(_pid(run_dir, "rollout-0")) not in (actor_pid, proc.pid)
             stub.Resume(pb.ResumeRequest(), timeout=30)
-            # Both admitted at step 2's start with version 1, then generation begins: drain rollout-2.
-            _wait(stub, lambda s: all(_engine(s, i).state == "serving" and _engine(s, i).weight_version >= 1
-                                      for i in (0, 2)), proc, 300, "rollout-0 and rollout-2 admitted")
+            # Both are admitted at step 2's start with version 1; rollout-2 is drained while it generates.
+            _wait_log(run_dir / "logs" / "rollout-2.log", "generate.start request_id=step2-", proc, 300)
             reply = stub.Scale(pb.ScaleRequest(role="rollout", replicas=2), timeout=60)
             assert list(reply.removed) == [added["added"][0]] and len(reply.addresses) == 2
             # 3. The learner dies while step 3 trains (a fraction of a second here: when the polls miss
@@ -128,6 +148,11 @@ def test_ray_kills_restarts_and_scaling(tiny_model_dir, tiny_data_dir, tmp_path,
             metrics_url = f"http://127.0.0.1:{control['metrics_port']}/metrics"
             metrics = urllib.request.urlopen(metrics_url, timeout=30).read().decode()
             assert _parent(_pid(run_dir, "learner")) == learner_actor  # the same actor started it again
+            reply = stub.Scale(pb.ScaleRequest(role="reward", replicas=1), timeout=60)
+            assert list(reply.removed) == [reward_added] and len(reply.addresses) == 1
+            # Stopped before the run goes on: the step left may be its last.
+            _wait(stub, lambda s: "service.removed" in _events_text(run_dir, "reward-ref-1"), proc, 120,
+                  "reward-ref-1 removed")
             stub.Resume(pb.ResumeRequest(), timeout=30)
         proc.wait(300)
     finally:
@@ -155,11 +180,12 @@ def test_ray_kills_restarts_and_scaling(tiny_model_dir, tiny_data_dir, tmp_path,
     assert "ray.actor_replaced service=rollout-0" in output
     admitted = {e["service"]: e["version"] for e in of("rollout.admitted")}
     assert admitted == {"rollout-0": 1, "rollout-2": 1}, events
-    assert [e["service"] for e in of("service.added")] == ["rollout-2"]
-    assert [e["service"] for e in of("service.draining")] == ["rollout-2"]
+    assert [e["service"] for e in of("service.added")] == ["rollout-2", "reward-ref-1"]
+    assert sorted(e["service"] for e in of("service.draining")) == ["reward-ref-1", "rollout-2"]
     print(f"rollout-2 drained with {of('service.draining')[0]['in_flight']} samples in flight; the learner was "
-          f"killed during step {killed_after + 1}")
-    assert [e["service"] for e in of("service.removed")] == ["rollout-2"]
+          f"killed during step {killed_after + 1}; reward-ref-1 scored "
+          f"{(run_dir / 'logs' / 'reward-ref-1.log').read_text().count('score.done')} batches")
+    assert sorted(e["service"] for e in of("service.removed")) == ["reward-ref-1", "rollout-2"]
     # With a checkpoint every step, back to the last completed step: only the step under way is redone.
     rewound = [(e["from_step"], e["to_step"]) for e in of("learner.rewound")]
     assert rewound == [(killed_after, killed_after)], events
@@ -178,7 +204,17 @@ def test_ray_kills_restarts_and_scaling(tiny_model_dir, tiny_data_dir, tmp_path,
         assert f"version=1 checksum={checksum}" in log[first_update:first_generate]
     # The drained engine finished what it had and was stopped by its actor, not killed mid-call.
     assert "rollout.engine_failed engine=2" not in output
-    assert "server.stopped" in (logs / "rollout-2.log").read_text() and "service.stopped service=rollout-2" in output
+    # The drained engine answered every Generate it had started before it stopped.
+    drained = (logs / "rollout-2.log").read_text()
+    assert drained.count("generate.start") == drained.count("generate.done") >= 1, drained[-3000:]
+    assert drained.rfind("generate.done") < drained.find("server.stopping"), drained[-3000:]
+    for name in ("rollout-2", "reward-ref-1"):
+        assert "server.stopped" in (logs / f"{name}.log").read_text() and f"service.stopped service={name}" in output
+    # The added reward + reference instance was in both scoring pools until it was drained.
+    pools = [(e["event"], e["service"]) for e in events if e["event"].startswith("scoring.instance_")
+             and e["address"] == reward_added]
+    assert sorted(pools) == sorted((f"scoring.instance_{what}", role) for what in ("added", "removed")
+                                   for role in ("reward", "reference")), events
 
     # The Prometheus counters, scraped while the run was paused after the learner's restart.
     assert _counter(metrics, "rlmesh_coordinator_service_restarts_total", service="rollout-0") == 1
