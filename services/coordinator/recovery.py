@@ -54,6 +54,7 @@ class Recovery:
         self.config = trainer.config
         trainer.recovery = self
         trainer.pool.wait_for_engine = self.wait_for_engine
+        trainer.pool.on_prompts_moved = self._prompts_moved
         supervisor.on_restarted.append(self._on_restarted)
         supervisor.on_died.append(self._on_died)
         # Scoring retries and instance changes go to the run's events.jsonl too.
@@ -112,6 +113,13 @@ class Recovery:
             # the restarted learner before it loaded the checkpoint would use --pretrain's weights.
             self.learner_restarted = True
         self.refresh_status()
+
+    def _prompts_moved(self, engine, request_id: str, prompts: int, lost_samples: int) -> None:
+        """A failed engine's unfinished prompts are generated again on the others."""
+        RECOVERED_SAMPLES.inc(lost_samples)
+        name = next((n for n, k in self.rollout_index.items() if k == engine.index), f"rollout-{engine.index}")
+        self.sup.event("rollout.prompts_moved", service=name, request_id=request_id, prompts=prompts,
+                       lost_samples=lost_samples)
 
     def _instance_of(self, engine) -> Instance:
         name = next(n for n, k in self.rollout_index.items() if k == engine.index)

@@ -63,6 +63,9 @@ class RolloutPool:
         self.engines = [self._connect(i, address) for i, address in enumerate(addresses)]
         # Awaited when no engine is admitted; returns once one is (None: fail instead).
         self.wait_for_engine: Callable[[], Awaitable[None]] | None = None
+        # Called with (engine, request id, prompts moved, samples received and dropped) when a
+        # failed engine's unfinished prompts go to the others (recovery.py counts and logs them).
+        self.on_prompts_moved: Callable[[Engine, str, int, int], None] | None = None
         self.lost_samples = 0  # samples received from an engine that then failed, generated again
 
     def _connect(self, index: int, address: str) -> Engine:
@@ -160,7 +163,10 @@ class RolloutPool:
                 if self.wait_for_engine is None and failures > 2 * len(self.engines):
                     raise RuntimeError(f"rollout engines keep failing (last: {engine.address}: {exc.details()})") from None
                 unfinished = [p for p in chunk if received[p.uid] < n]
-                self.lost_samples += sum(received[p.uid] for p in unfinished)
+                lost = sum(received[p.uid] for p in unfinished)
+                self.lost_samples += lost
+                if self.on_prompts_moved is not None and unfinished:
+                    self.on_prompts_moved(engine, request.request_id, len(unfinished), lost)
                 for p in unfinished:
                     if on_retry is not None:
                         on_retry(p)
