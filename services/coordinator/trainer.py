@@ -172,15 +172,23 @@ class Trainer:
             self.state.weight_version = 0
         await self._offload_learner()
 
-    async def _offload_learner(self) -> None:
-        if self.config.deepspeed_enable_sleep and not self.learner_offloaded:
-            await self.learner.Offload(learner_pb2.OffloadRequest(), timeout=120.0)
-            self.learner_offloaded = True
+    async def _offload_learner(self) -> float:
+        """Moves the learner's states off its GPUs (--deepspeed_enable_sleep); returns the seconds it took."""
+        if not self.config.deepspeed_enable_sleep or self.learner_offloaded:
+            return 0.0
+        t0 = time.monotonic()
+        await self.learner.Offload(learner_pb2.OffloadRequest(), timeout=120.0)
+        self.learner_offloaded = True
+        return time.monotonic() - t0
 
-    async def _reload_learner(self) -> None:
-        if self.learner_offloaded:
-            await self.learner.Reload(learner_pb2.ReloadRequest(), timeout=120.0)
-            self.learner_offloaded = False
+    async def _reload_learner(self) -> float:
+        """Brings the learner's states back to its GPUs; returns the seconds it took (0 when they were there)."""
+        if not self.learner_offloaded:
+            return 0.0
+        t0 = time.monotonic()
+        await self.learner.Reload(learner_pb2.ReloadRequest(), timeout=120.0)
+        self.learner_offloaded = False
+        return time.monotonic() - t0
 
     def _service_entries(self) -> list[ServiceEntry]:
         entries = [ServiceEntry("rollout", e.index, e.address, e.weight_version) for e in self.pool.engines]
@@ -486,12 +494,14 @@ class Trainer:
             if not gen:
                 return None
             if self._sleep_supported:
+                t_sleep = time.monotonic()
                 await self._sleep_rollout()
+                times["rollout_sleep"] = time.monotonic() - t_sleep  # the last part of "generate"
             times["generate"] = time.monotonic() - t0
             # ---- wait for the remaining scores and log-probs ----
             self.control.set_phase(cpb.PHASE_SCORING)
             t0 = time.monotonic()
-            await self._reload_learner()
+            times["learner_reload"] = await self._reload_learner()  # the first part of "score"
             await (collector.wait_scores() if defer_logprobs else collector.finish())
             times["score"] = time.monotonic() - t0
         except BaseException:
@@ -781,8 +791,12 @@ class Trainer:
                 continue
             step += 1
             c.global_step, c.episode = step, self.state.episode
-            # The learner sleeps until the next step's log-probs (after any checkpoint).
-            await self._offload_learner()
+            # The learner sleeps until the next step's log-probs (after any checkpoint). Outside the
+            # step's own time/step_s, and the GPU waits for it: reported as time/learner_offload_s.
+            offload_s = await self._offload_learner()
+            if cfg.deepspeed_enable_sleep:
+                metrics["time/learner_offload_s"] = offload_s
+                prom.PHASE_SECONDS.labels("learner_offload").observe(offload_s)
             last = bool(c.total_steps and step >= c.total_steps) or bool(cfg.max_steps and step >= cfg.max_steps)
             evaluating = bool(self.eval_prompts) and not c.stop_requested and (step % cfg.eval_steps == 0 or last)
             if evaluating:
