@@ -6,7 +6,11 @@ automatically) and are skipped on machines without CUDA.
 
 from __future__ import annotations
 
+import json
+import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,3 +69,21 @@ def tiny_reward_model_dir(tmp_path_factory) -> Path:
 def tiny_data_dir(tmp_path_factory) -> Path:
     """arith_train/arith_test/sft/prefs JSONL files (seed 0)."""
     return make_data(tmp_path_factory.mktemp("data"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory) -> dict:
+    """One short quickstart, run as `rlmesh quickstart` runs it (real SFT, real services, 10 GRPO
+    steps): tests/test_quickstart.py checks it; the learning tests start from its SFT model and
+    compare against its synchronous GRPO. Returns quickstart.json plus run_dir and the output."""
+    root = Path(__file__).resolve().parents[1]
+    run_dir = tmp_path_factory.mktemp("quickstart") / "run"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "PYTHONPATH": os.pathsep.join([str(root), str(root / "protos")])}
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "quickstart", "--run_dir", str(run_dir),
+                           "--grpo_steps", "10", "--device", "cpu"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=1500)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-5000:]
+    result = json.loads((run_dir / "quickstart.json").read_text())
+    return {**result, "run_dir": run_dir, "stdout": proc.stdout}

@@ -16,23 +16,20 @@ from pathlib import Path
 
 import pytest
 
-from services.quickstart import QuickstartConfig, grpo_argv, run_sft, write_data
+from services.quickstart import QuickstartConfig, grpo_argv
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 10  # as the quickstart test: its SFT model gains held-out accuracy in 10 GRPO steps
 
 
 @pytest.fixture(scope="module")
-def sft_model(tmp_path_factory):
-    """The quickstart's tiny model, data and SFT (held-out accuracy ~0.4: room to rise)."""
-    from services.common.tiny import make_tiny_model
-
-    run_dir = tmp_path_factory.mktemp("learning")
+def sft_model(quickstart_run):
+    """The quickstart's tiny model, data and SFT (held-out accuracy ~0.4: room to rise), from the
+    session's quickstart run, whose GRPO is the synchronous run the async one is compared with."""
+    run_dir = quickstart_run["run_dir"]
     config = QuickstartConfig(run_dir=str(run_dir), seed=0, device="cpu")
-    data = write_data(run_dir / "data", config.max_operand, config.test_fraction, config.seed)
-    model = make_tiny_model(run_dir / "model", size=config.model_size, seed=config.seed)
-    run_sft(config, model, data, run_dir / "sft")
-    return config, run_dir / "sft", data
+    data = {name: run_dir / "data" / f"{name}.jsonl" for name in ("train", "test", "sft")}
+    return config, Path(quickstart_run["sft_model"]), data
 
 
 def run_grpo(sft_model, out: Path, *extra: str) -> list[dict]:
@@ -60,8 +57,10 @@ def held_out(records: list[dict]) -> tuple[float, float]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(3000)  # SFT and two runs of the real services: minutes on an idle machine, far more under load
-def test_async_grpo_reaches_sync_accuracy(sft_model, tmp_path):
-    before, sync_after = held_out(run_grpo(sft_model, tmp_path / "sync"))
+def test_async_grpo_reaches_sync_accuracy(sft_model, quickstart_run, tmp_path):
+    # The synchronous side is the quickstart's GRPO: the same command line (services.quickstart.
+    # grpo_argv) over services it started, evaluated by the same greedy pass@1 on the same problems.
+    before, sync_after = quickstart_run["accuracy_after_sft"], quickstart_run["accuracy_after_grpo"]
     records = run_grpo(sft_model, tmp_path / "async", "--async_train", "--max_staleness", "1")
     async_before, async_after = held_out(records)
     print(f"held-out accuracy: before {before:.3f}, sync GRPO {sync_after:.3f}, async GRPO {async_after:.3f}; "
