@@ -147,6 +147,22 @@ def _options(service_full_name, idempotent_methods, max_message_mb, keepalive_ti
             ("grpc.service_config", service_config(service_full_name, idempotent_methods))]
 
 
+# Instances found behind one name (several DNS records: `docker compose up --scale`, a Kubernetes
+# headless Service) are dialled by IP address, but their certificates name the service.
+_TLS_NAMES: dict[str, str] = {}
+
+
+def verify_tls_as(address: str, server_name: str) -> None:
+    """TLS channels made to `address` (IP:port) from now on check the server's certificate against
+    `server_name` (the name the address was found behind) instead of the IP address."""
+    _TLS_NAMES[address] = server_name
+
+
+def _tls_options(address: str) -> list:
+    name = _TLS_NAMES.get(address)
+    return [("grpc.ssl_target_name_override", name)] if name else []
+
+
 def _credentials(tls_ca: str, tls_cert: str, tls_key: str):
     read = lambda p: pathlib.Path(p).read_bytes() if p else None  # noqa: E731
     return grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
@@ -168,8 +184,8 @@ def make_channel(address: str, service_full_name: str = "", idempotent_methods=(
         metadata = creds.metadata()
         interceptors += _aio_rewriting(lambda details: _with_metadata(details, metadata))
     if creds.tls_ca:
-        return grpc.aio.secure_channel(address, _credentials(creds.tls_ca, creds.tls_cert, creds.tls_key), options,
-                                       interceptors=interceptors)
+        return grpc.aio.secure_channel(address, _credentials(creds.tls_ca, creds.tls_cert, creds.tls_key),
+                                       options + _tls_options(address), interceptors=interceptors)
     return grpc.aio.insecure_channel(address, options, interceptors=interceptors)
 
 
@@ -182,7 +198,8 @@ def make_sync_channel(address: str, service_full_name: str = "", idempotent_meth
     creds = _resolve(credentials, tls_ca, tls_cert, tls_key)
     options = _options(service_full_name, idempotent_methods, max_message_mb, keepalive_time_s, keepalive_timeout_s)
     if creds.tls_ca:
-        channel = grpc.secure_channel(address, _credentials(creds.tls_ca, creds.tls_cert, creds.tls_key), options)
+        channel = grpc.secure_channel(address, _credentials(creds.tls_ca, creds.tls_cert, creds.tls_key),
+                                      options + _tls_options(address))
     else:
         channel = grpc.insecure_channel(address, options)
     interceptors = [_SyncRewriting(lambda details: _with_deadline(details, default_timeout_s))]

@@ -17,7 +17,7 @@ import socket
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.client import make_channel, wait_for_serving
+from services.common.client import make_channel, verify_tls_as, wait_for_serving
 from services.common.log import get_logger, log_event
 from services.common.security import client_credentials, launch_settings
 from services.coordinator.config import CoordinatorConfig
@@ -368,7 +368,8 @@ def instance_addresses(addresses: list[str]) -> list[str]:
     (all A/AAAA records: `docker compose up --scale rollout=2`, a Kubernetes headless Service)
     stands for one instance per address. IPv4 addresses are used when there are any (a dual-stack
     host has an IPv4 and an IPv6 address: one instance, not two). A name with one address, an IP,
-    or a name that does not resolve stays as given (waiting for it reports what is wrong)."""
+    or a name that does not resolve stays as given (waiting for it reports what is wrong). With TLS,
+    each such instance's certificate is checked against the name it was found behind."""
     found: list[str] = []
     for address in addresses:
         host, _, port = address.rpartition(":")
@@ -383,8 +384,10 @@ def instance_addresses(addresses: list[str]) -> list[str]:
                 break
         if len(ips) < 2:
             found.append(address)
-        else:
-            found += [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]
+            continue
+        for ip in ips:
+            found.append(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
+            verify_tls_as(found[-1], host.strip("[]"))  # their certificates name the service
     return list(dict.fromkeys(found))
 
 
