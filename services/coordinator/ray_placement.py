@@ -238,9 +238,14 @@ class RayPlacement:
                 p.spec.env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu for _, gpu in located)
             else:
                 p.spec.env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
-        await self._start_learner()
+        # Roles colocated on the learner's GPUs start after it (the engines size their memory to what
+        # the learner left); otherwise every service loads at once.
+        shares_gpus = cfg.on_gpu and (cfg.colocate_all_models or cfg.colocate_actor_ref or cfg.colocate_critic_reward)
+        if shares_gpus:
+            await self._start_learner()
         others = [p for p in self.placed if "learner" not in p.spec.roles]
-        results = await asyncio.gather(*(self._start_one(p, wait=True) for p in others), return_exceptions=True)
+        starts = [self._start_one(p, wait=True) for p in others] + ([] if shares_gpus else [self._start_learner()])
+        results = await asyncio.gather(*starts, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
