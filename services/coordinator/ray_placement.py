@@ -14,6 +14,11 @@ it serves, and reports its address; the coordinator then talks gRPC to it like t
 learner over several GPUs runs one actor per rank (rank 0 serves gRPC and drives the others).
 Stopping the run stops every child, kills the actors and removes the placement groups; if the
 driver dies, Ray kills its actors and the children follow (they get SIGTERM when their parent dies).
+
+Supervision (supervisor.py) asks each actor whether its child still runs. A dead child is started
+again by its actor; a dead actor (its child gets SIGTERM) is replaced by a new one on the same
+bundle. An instance added while the run goes on gets a placement group of its own, which goes with
+it when it is removed; one of the run's first instances leaves its bundle reserved until the end.
 """
 
 from __future__ import annotations
