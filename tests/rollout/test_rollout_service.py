@@ -401,26 +401,34 @@ def test_partial_push_continues_running_generation_on_the_new_weights(stub, vllm
         return call.result()
 
     finished = {}
-    prompts = [token_prompt(str(i), p) for i, p in enumerate(GREEDY_PROMPTS)]
-    thread = threading.Thread(target=lambda: finished.update(responses=generate(
-        stub, prompts, n=2, temperature=0.0, max_tokens=MAX_MODEL_LEN - 16, ignore_eos=True, logprobs=True)))
+    request = rollout_pb2.GenerateRequest(
+        request_id="partial-long", prompts=[token_prompt(str(i), p) for i, p in enumerate(GREEDY_PROMPTS)], n=16,
+        sampling=rollout_pb2.SamplingOptions(temperature=0.0, max_tokens=MAX_MODEL_LEN - 16, ignore_eos=True,
+                                             logprobs=True))
+    thread = threading.Thread(target=lambda: finished.update(responses=list(stub.Generate(request, timeout=120))))
     thread.start()
+    # 64 sequences of 240 tokens: seconds of generation (8 took half a second on an idle machine).
+    # The service logs the call as it hands it to the engine.
     deadline = time.monotonic() + 30
-    while vllm_rollout.metrics()["rlmesh_rollout_running_samples"] == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    while "request_id=partial-long" not in vllm_rollout.log_tail(20000):
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.005)
     # A short call submitted after the long ones ends after 8 engine steps, which the long ones shared.
     generate(stub, [token_prompt("short", [5, 6])], max_tokens=8, ignore_eos=True)
     assert push(tensors_b, version + 1, pause=True).weight_version == version + 1
     thread.join(120)
     responses = finished["responses"]
-    assert len(responses) == 2 * len(GREEDY_PROMPTS)
+    assert len(responses) == 16 * len(GREEDY_PROMPTS)
+    checked = set()
     for r in responses:
         assert r.HasField("token_weight_versions"), f"sample {r.prompt_id}/{r.sample_index} reports one version"
         ids, versions = tokens(r), from_proto(r.token_weight_versions).tolist()
         switch = versions.index(version + 1)
         assert 8 <= switch < len(ids) and versions == [version] * switch + [version + 1] * (len(ids) - switch)
         assert r.weight_version == version
+        if (r.prompt_id, switch, tuple(ids)) in checked:
+            continue  # greedy: the other samples of the prompt, frozen at the same step, are the same
+        checked.add((r.prompt_id, switch, tuple(ids)))
         prompt = GREEDY_PROMPTS[int(r.prompt_id)]
         # Each token's log-prob is that of the model its version names, before and after the switch.
         expected = (hf_response_logprobs(model_a, prompt, ids)[:switch]
