@@ -73,6 +73,8 @@ def rollout_argv(cfg: CoordinatorConfig) -> list[str]:
         argv.append("--enforce_eager")
     if cfg.vllm_enable_sleep and cfg.on_gpu:
         argv.append("--enable_sleep_mode")
+    if cfg.partial_rollout:
+        argv.append("--partial_rollout")
     if cfg.vllm_max_num_seqs:
         argv += ["--max_num_seqs", str(cfg.vllm_max_num_seqs)]
     if cfg.vllm_max_num_batched_tokens:

@@ -39,6 +39,10 @@ class RolloutConfig(ServerConfig):
     enforce_eager: bool = opt(False, "disable CUDA graphs / torch.compile (faster start, slower decode)")
     seed: int = opt(0, "engine random seed (samples without a per-request seed)")
     enable_sleep_mode: bool = opt(False, "allow Sleep/WakeUp (vLLM sleep mode; CUDA GPUs only)")
+    partial_rollout: bool = opt(False, "allow partial-rollout pushes (UpdateWeights with pause_generation: running "
+                                "requests are frozen, take the new weights and continue); vLLM then streams every "
+                                "request's tokens as they come, which costs frontend CPU per token, so it is off "
+                                "unless the run uses --partial_rollout (the coordinator sets it)")
     logprobs_mode: str = opt("raw_logprobs", "what GenerateResponse.logprobs holds: raw_logprobs (model "
                              "distribution) or processed_logprobs (after temperature, top-k/top-p)",
                              choices=["raw_logprobs", "processed_logprobs"])

@@ -2,10 +2,11 @@
 
 AsyncLLM runs the scheduler and model in its own engine-core and worker processes and talks to
 them over ZMQ, so awaiting it never blocks the gRPC event loop, and every concurrent Generate call
-lands in the same continuous batch. Each sample is its own vLLM request (n=1), so a sample streams
-back the moment it finishes and can be aborted on its own; the n samples of a prompt still share
-the prompt's KV cache through prefix caching. Requests stream their tokens in deltas, so the
-engine knows how far each one has got when a partial-rollout push freezes it.
+lands in the same continuous batch. Each sample is its own vLLM request (n=1, output only when
+finished), so a sample streams back the moment it finishes and can be aborted on its own; the n
+samples of a prompt still share the prompt's KV cache through prefix caching. With
+--partial_rollout, requests stream their tokens in deltas instead, so the engine knows how far each
+one has got when a partial-rollout push freezes it (a cost in frontend CPU per token, so only then).
 
 Partial rollout (UpdateWeights with pause_generation): pause_generation(mode="keep") freezes the
 running requests, and clear_cache=True drops their KV cache and the prefix cache, so when they
@@ -80,7 +81,9 @@ def engine_args(config: RolloutConfig) -> AsyncEngineArgs:
     return AsyncEngineArgs(**kwargs)
 
 
-def sampling_params(sampling: Sampling, spec: SampleSpec) -> SamplingParams:
+def sampling_params(sampling: Sampling, spec: SampleSpec, stream_tokens: bool = False) -> SamplingParams:
+    """vLLM's parameters for one sample. stream_tokens: outputs as tokens come (deltas), else one
+    output when the sample is finished (the accumulation in _generate_one handles both)."""
     kwargs = dict(
         n=1,
         temperature=sampling.temperature,
@@ -94,7 +97,7 @@ def sampling_params(sampling: Sampling, spec: SampleSpec) -> SamplingParams:
         ignore_eos=sampling.ignore_eos,
         # Stop strings are matched on text, so they need detokenizing too.
         detokenize=sampling.return_text or bool(sampling.stop),
-        output_kind=RequestOutputKind.DELTA,
+        output_kind=RequestOutputKind.DELTA if stream_tokens else RequestOutputKind.FINAL_ONLY,
     )
     if sampling.top_k > 0:
         kwargs["top_k"] = sampling.top_k
@@ -168,8 +171,8 @@ class VllmEngine(Engine):
         state = self._running[spec.key]
         try:
             finish_reason = None
-            async for output in self.llm.generate({"prompt_token_ids": spec.prompt_ids},
-                                                  sampling_params(sampling, spec), spec.key):
+            params = sampling_params(sampling, spec, stream_tokens=self.config.partial_rollout)
+            async for output in self.llm.generate({"prompt_token_ids": spec.prompt_ids}, params, spec.key):
                 delta = output.outputs[0]
                 state.token_ids += delta.token_ids
                 if sampling.logprobs and delta.token_ids:
@@ -211,6 +214,9 @@ class VllmEngine(Engine):
         await self.llm.reset_prefix_cache()
 
     def pause_unsupported_reason(self) -> str:
+        if not self.config.partial_rollout:
+            return ("this rollout service was started without --partial_rollout (it streams whole samples only); "
+                    "fix: start it with --partial_rollout (the coordinator does for --partial_rollout runs)")
         if not hasattr(self.llm, "resume_generation"):
             return (f"vllm {vllm.__version__} has no AsyncLLM.pause_generation/resume_generation; fix: install "
                     "vLLM 0.26 or newer, or train without --partial_rollout")

@@ -17,7 +17,10 @@ ENGINE_ARGS = ("--dtype", "float32", "--max_model_len", str(MAX_MODEL_LEN), "--s
 @pytest.fixture(scope="session")
 def vllm_rollout(tiny_model_dir, tmp_path_factory):
     service = start_rollout(tiny_model_dir, tmp_path_factory.mktemp("rollout_vllm"), *ENGINE_ARGS,
-                            "--engine", "vllm", "--gpu_memory_utilization", "0.1", "--enforce_eager")
+                            "--engine", "vllm", "--gpu_memory_utilization", "0.1", "--enforce_eager",
+                            # Token streaming, for the partial-push test; coordinator runs without
+                            # --partial_rollout cover the whole-sample outputs.
+                            "--partial_rollout")
     yield service
     stop_rollout(service.proc)
 

@@ -445,6 +445,25 @@ def test_partial_push_continues_running_generation_on_the_new_weights(stub, vllm
     assert push(tensors_a, version + 2, pause=False).weight_version == version + 2
 
 
+def test_tokens_stream_from_vllm_only_with_partial_rollout(tiny_model_dir):
+    """Streaming every token costs frontend CPU per token: a service started without
+    --partial_rollout asks vLLM for finished samples only, and refuses a pausing push with the fix."""
+    import types
+
+    from services.common.config import parse_config
+    from services.rollout.config import RolloutConfig
+    from services.rollout.engine import Sampling, SampleSpec
+    from services.rollout.vllm_engine import VllmEngine, sampling_params
+    from vllm.sampling_params import RequestOutputKind
+
+    spec = SampleSpec(key="r", prompt_index=0, sample_index=0, prompt_ids=[5, 6])
+    assert sampling_params(Sampling(max_tokens=4), spec).output_kind == RequestOutputKind.FINAL_ONLY
+    assert sampling_params(Sampling(max_tokens=4), spec, stream_tokens=True).output_kind == RequestOutputKind.DELTA
+    plain = parse_config(RolloutConfig, ["--pretrain", str(tiny_model_dir)])
+    reason = VllmEngine.pause_unsupported_reason(types.SimpleNamespace(config=plain, llm=None))
+    assert "--partial_rollout" in reason and "fix" in reason
+
+
 def test_a_dead_engine_reports_unavailable_and_not_serving(stub, channel, vllm_rollout):
     """Kills vLLM's engine-core process (the session's engine is unusable afterwards: this runs last)."""
     import psutil
