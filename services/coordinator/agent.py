@@ -175,7 +175,9 @@ class AgentRunner:
             raise RuntimeError("no agent worker is left: replacements failed to start (see "
                                "agent.worker_replace_failed in the log)")
         budget = cfg.agent_timeout_s  # agent code time; waiting for the engines does not count
-        params = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+        # Unset optional fields mean the rollout service's defaults, not proto3's zeros.
+        params = {"temperature": sampling.temperature if sampling.HasField("temperature") else 1.0,
+                  "top_p": sampling.top_p if sampling.HasField("top_p") else 1.0, "top_k": sampling.top_k,
                   "max_tokens": sampling.max_tokens, "logprobs": 1}
         healthy = True
         try:

@@ -11,7 +11,8 @@ on this machine and stops them at the end. A sample counts as solved when the re
 reported overall and per data source (rows' `datasource` / `data_source` field, else the file name),
 printed as JSON and written to --output when given.
 
-`evaluate()` is the same computation for callers that already hold the services (the training loop).
+`evaluate()` is the same computation for callers that already hold the services (the training loop);
+`evaluate_episodes()` its form for agent runs (--agent_func_path), where a sample is a multi-turn episode.
 """
 
 from __future__ import annotations
@@ -161,6 +162,86 @@ async def evaluate(pool: RolloutPool, score, prompts: list[Prompt], n: int, samp
     overall = {k.removeprefix(prefix): f"{v:.4g}" for k, v in metrics.items() if "/" not in k.removeprefix(prefix)}
     log_event(_log, f"{request_name}.done", samples_per_prompt=n, **overall)
     return metrics
+
+
+async def evaluate_episodes(agents, score, prompts: list[Prompt], n: int, sampling: rollout_pb2.SamplingOptions,
+                            expected_version: int, seed: int, pass_reward: float = 1.0, prefix: str = "eval/",
+                            request_name: str = "eval", decoder: QueryDecoder | None = None) -> dict[str, float]:
+    """evaluate() for agent runs (--agent_func_path): each sample is a whole episode, played by the
+    agent file's workers as in training (same --agent_max_turns and --agent_max_length) with `sampling`.
+
+    agents: a started services.coordinator.agent.AgentRunner. An episode's reward is the agent's (the
+    sum of its step rewards), or `score`'s of the whole episode when the run takes rewards from the
+    reward service; is_correct judges it. Besides summarize(...)'s keys (response_length counts the
+    model's tokens of an episode): f"{prefix}reward" (mean), f"{prefix}turns_mean",
+    f"{prefix}failed_episodes", and each of the agent's extra logs as f"{prefix}<name>", averaged over
+    the episodes that log it as training's reward/<name> is (the retry agent's eval/solved: right at
+    either attempt). A failed episode counts as unsolved in pass@k, with reward 0 and no extra logs.
+    """
+    outcomes: list[tuple[Prompt, object]] = []  # (prompt, agent.Outcome)
+    started = time.monotonic()
+    await agents.generate(prompts, n, sampling, expected_version, seed, step=0, round_index=0,
+                          on_sample=lambda prompt, outcome: outcomes.append((prompt, outcome)))
+    episodes = [(p, o) for p, o in outcomes if _finished(o)]
+    rewards = [float(o.result.get("reward") or 0.0) for _, o in episodes]
+    extras = [dict(o.result.get("extra_logs") or {}) for _, o in episodes]
+    if not agents.own_rewards:  # the reward service scores the episode, as in training
+        for i in range(0, len(episodes), 256):
+            scored = await score(_episode_batch(episodes[i:i + 256], agents.tokenizer, decoder))
+            for k in range(len(scored.rewards)):
+                rewards[i + k] = float(scored.rewards[k])
+                extras[i + k].update({name: float(v[k]) for name, v in scored.extra.items()})
+    metrics = episode_metrics(prompts, n, outcomes, rewards, extras, pass_reward, prefix)
+    metrics[f"{prefix}seconds"] = time.monotonic() - started
+    overall = {k.removeprefix(prefix): f"{v:.4g}" for k, v in metrics.items() if "/" not in k.removeprefix(prefix)}
+    log_event(_log, f"{request_name}.done", samples_per_prompt=n, episodes=len(outcomes), **overall)
+    return metrics
+
+
+def _finished(outcome) -> bool:
+    return outcome.result is not None and bool(outcome.result["action_ranges"])
+
+
+def episode_metrics(prompts: list[Prompt], n: int, outcomes: list, rewards: list[float], extras: list[dict],
+                    pass_reward: float = 1.0, prefix: str = "eval/") -> dict[str, float]:
+    """evaluate_episodes' summary. outcomes: (prompt, agent.Outcome) of every episode played;
+    rewards and extras: the reward and extra logs of each finished one (a model turn at least), in
+    outcomes' order. A failed episode counts as unsolved, with reward 0 and no extra logs."""
+    finished = [(p, o) for p, o in outcomes if _finished(o)]
+    results = {p.uid: PromptResult(p.datasource, [], []) for p in prompts}
+    for (prompt, outcome), reward, extra in zip(finished, rewards, extras):
+        results[prompt.uid].correct.append(is_correct(reward, extra, pass_reward))
+        results[prompt.uid].lengths.append(sum(int(e) - int(s) for s, e in outcome.result["action_ranges"]))
+    for prompt, outcome in outcomes:
+        if not _finished(outcome):
+            results[prompt.uid].correct.append(False)
+    logged: dict[str, list[float]] = defaultdict(list)
+    for extra in extras:
+        for name, value in extra.items():
+            if math.isfinite(value):
+                logged[name].append(value)
+    metrics = {f"{prefix}{name}": sum(values) / len(values) for name, values in sorted(logged.items())}
+    turns = [len(o.result["action_ranges"]) for _, o in finished]
+    metrics.update({f"{prefix}reward": sum(rewards) / max(len(outcomes), 1),
+                    f"{prefix}turns_mean": sum(turns) / max(len(turns), 1),
+                    f"{prefix}failed_episodes": float(len(outcomes) - len(finished))})
+    metrics.update(summarize([results[p.uid] for p in prompts], n, prefix))
+    return metrics
+
+
+def _episode_batch(episodes: list[tuple[Prompt, object]], tokenizer, decoder: QueryDecoder | None) -> ScoreBatch:
+    """The reward service's view of finished episodes (prompt, agent.Outcome), as training builds it: the
+    response runs from the first model token to the last (environment feedback included), the query is
+    the whole sequence."""
+    tokens = [[int(t) for t in o.result["observation_tokens"][:int(o.result["action_ranges"][-1][1])]]
+              for _, o in episodes]
+    responses = [tokenizer.decode(ids[int(o.result["action_ranges"][0][0]):], skip_special_tokens=True)
+                 for (_, o), ids in zip(episodes, tokens)]
+    queries = (decoder.queries(tokens) if decoder is not None
+               else [p.text + text for (p, _), text in zip(episodes, responses)])
+    return ScoreBatch(queries=queries, prompts=[p.text for p, _ in episodes], responses=responses,
+                      labels=[p.label for p, _ in episodes], sample_ids=[f"{p.uid}/{o.index}" for p, o in episodes],
+                      data_sources=[p.datasource for p, _ in episodes])
 
 
 def load_eval_prompts(paths: str, tokenizer, input_key: str, label_key: str, apply_chat_template: bool,

@@ -45,7 +45,7 @@ from services.coordinator.checkpoint import CoordinatorState, config_digest
 from services.coordinator.config import CoordinatorConfig
 from services.coordinator.control import RunControl, ServiceEntry
 from services.coordinator.data import Prompt, PromptStream
-from services.coordinator.evaluate import evaluate
+from services.coordinator.evaluate import evaluate, evaluate_episodes
 from services.coordinator.experience import Sample, StepCollector
 from services.coordinator.metrics import MetricsLog
 from services.coordinator.placement import Endpoints
@@ -464,8 +464,15 @@ class Trainer:
         With --async_train, services/coordinator/async_loop.py runs collect_step of later steps
         while learn_step of this one trains (this is its special case with staleness 0)."""
         t_step, cpu_step = time.monotonic(), time.process_time()
+        self.lost_samples = 0
         collected = await self.collect_step(step)
-        return None if collected is None else await self.learn_step(step, collected, t_step, cpu_step)
+        if collected is None:
+            return None
+        # A failure from here on (a learner dying in training or push) loses the step's samples too.
+        self.lost_samples = len(collected.collector.all_samples())
+        metrics = await self.learn_step(step, collected, t_step, cpu_step)
+        self.lost_samples = 0
+        return metrics
 
     async def collect_step(self, step: int, defer_logprobs: bool = False) -> CollectedStep | None:
         """Generation and scores of step `step`, and its log-probs unless deferred to learn_step
@@ -711,7 +718,8 @@ class Trainer:
 
     async def evaluate_step(self, step: int) -> dict:
         """eval/pass@1, eval/pass@n, eval/response_length (overall and per data source) of the weights
-        the engines hold after `step`, computed exactly as `rlmesh eval` does.
+        the engines hold after `step`, computed exactly as `rlmesh eval` does; in an agent run each
+        sample is a whole episode (evaluate_episodes), with the agent's extra logs as eval/<name>.
 
         Evaluation takes no prompts from the training stream and its generation seeds depend only on
         --seed and the prompt chunk, so a run trains on the same samples with or without it.
@@ -727,9 +735,11 @@ class Trainer:
         def score(batch: ScoreBatch):
             return self.rewards.call(lambda c: c.score(batch, request_id=f"eval{step}"))
 
-        metrics = await evaluate(self.pool, score, self.eval_prompts, cfg.eval_n_samples_per_prompt, sampling,
-                                 self.state.weight_version, cfg.seed, pass_reward=cfg.eval_pass_reward,
-                                 decoder=self.query_decoder)
+        # An agent run is evaluated on whole episodes (its multi-turn success), as it trains.
+        run, engines = (evaluate, self.pool) if self.agents is None else (evaluate_episodes, self.agents)
+        metrics = await run(engines, score, self.eval_prompts, cfg.eval_n_samples_per_prompt, sampling,
+                            self.state.weight_version, cfg.seed, pass_reward=cfg.eval_pass_reward,
+                            decoder=self.query_decoder)
         # Colocated: vLLM gives the memory back before the learner needs it again, as after generation.
         if self._sleep_supported:
             await self._sleep_rollout()

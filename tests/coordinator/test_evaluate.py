@@ -1,10 +1,12 @@
-"""pass@k and the evaluation summary (the service path runs in tests/test_quickstart.py)."""
+"""pass@k, the evaluation summary and the agent runs' episode evaluation (the service path runs in
+tests/test_quickstart.py and tests/test_async_and_agent_learning.py)."""
 
 import math
 
 import pytest
 
 from services.common.config import parse_config
+from services.coordinator.agent import Outcome
 from services.coordinator.evaluate import EvalConfig, PromptResult, is_correct, pass_at_k, summarize
 
 
@@ -81,3 +83,48 @@ def test_rlmesh_eval_starts_services_and_reports_per_source(tiny_model_dir, tmp_
     assert m["eval/prompts"] == 6.0 and m["eval/pass@1"] == pytest.approx(0.5) and m["eval/pass@2"] == pytest.approx(0.5)
     assert m["eval/a/pass@1"] == pytest.approx(0.75) and m["eval/b/pass@2"] == 0.0
     assert 0 < m["eval/response_length"] <= 6
+
+
+def _episode(index, tokenizer, prompt, turns, reward, solved):
+    """An agent.Outcome as an agent worker returns it: the prompt's tokens, then model turns with the
+    environment's feedback between them (action_ranges: the model's tokens)."""
+    ids, ranges = list(tokenizer(prompt)["input_ids"]), []
+    for k, (action, feedback) in enumerate(turns):
+        start = len(ids)
+        ids += tokenizer(action)["input_ids"]
+        ranges.append((start, len(ids)))
+        if k + 1 < len(turns):
+            ids += tokenizer(feedback)["input_ids"]
+    result = {"reward": reward, "observation_tokens": ids, "action_ranges": ranges,
+              "extra_logs": {"solved": float(solved), "attempts": float(len(turns))}}
+    return Outcome(index, result=result)
+
+
+def test_episode_evaluation_judges_whole_episodes(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from services.coordinator.data import Prompt
+    from services.coordinator.evaluate import _episode_batch, episode_metrics
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = [Prompt(f"p{i}", f"{i}+1=", tuple(tok(f"{i}+1=")["input_ids"]), str(i + 1), "arith") for i in range(3)]
+    right = _episode(0, tok, "0+1=", [("\\boxed{1}", "")], 1.0, True)  # right at once
+    retried = _episode(0, tok, "1+1=", [("\\boxed{3}", " wrong, again: 1+1="), ("\\boxed{2}", "")], 0.5, True)
+    outcomes = [(prompts[0], right), (prompts[1], retried), (prompts[2], Outcome(0, error="the agent code raised"))]
+    finished = [right, retried]
+    m = episode_metrics(prompts, 1, outcomes, [o.result["reward"] for o in finished],
+                        [o.result["extra_logs"] for o in finished])
+    assert m["eval/pass@1"] == pytest.approx(1 / 3)  # reward >= 1: right at the first attempt; failed: unsolved
+    assert m["eval/solved"] == 1.0 and m["eval/attempts"] == 1.5  # the agent's logs, over episodes that ended
+    assert m["eval/reward"] == pytest.approx(1.5 / 3) and m["eval/failed_episodes"] == 1.0
+    model_tokens = [sum(e - s for s, e in o.result["action_ranges"]) for o in finished]
+    assert m["eval/turns_mean"] == 1.5 and m["eval/response_length"] == pytest.approx(sum(model_tokens) / 2)
+
+    # --agent_rewards reward_service: the service sees the episode from the first model token to the
+    # last, the environment's feedback included, and its verdict (extra "accuracy") judges it.
+    batch = _episode_batch(outcomes[:2], tok, None)
+    assert [r.replace(" ", "") for r in batch.responses] == ["\\boxed{1}", "\\boxed{3}wrong,again:1+1=\\boxed{2}"]
+    assert batch.queries == [p.text + r for p, r in zip(prompts, batch.responses)] and batch.labels == ["1", "2"]
+    assert batch.sample_ids == ["p0/0", "p1/0"]
+    m = episode_metrics(prompts[:2], 1, outcomes[:2], [0.0, 0.0], [{"accuracy": 1.0}, {"accuracy": 0.0}])
+    assert m["eval/pass@1"] == 0.5 and m["eval/reward"] == 0.0 and m["eval/accuracy"] == 0.5
