@@ -32,7 +32,7 @@ from rlmesh.learner.v1 import learner_pb2
 from rlmesh.rollout.v1 import rollout_pb2
 from services.coordinator import checkpoint
 from services.coordinator.control import ServiceEntry
-from services.coordinator.supervisor import RECOVERED_SAMPLES, REDONE_STEPS, SERVING, Instance, Supervisor
+from services.coordinator.supervisor import RECOVERED_SAMPLES, REDONE_STEPS, SERVING, SYNCING, Instance, Supervisor
 
 # How long a failed call waits for the supervisor to see the death that caused it: a killed
 # process is usually gone before its connection resets, but a busy machine can lag.
@@ -55,6 +55,7 @@ class Recovery:
         trainer.recovery = self
         trainer.pool.wait_for_engine = self.wait_for_engine
         trainer.pool.on_prompts_moved = self._prompts_moved
+        trainer.pool.on_lost_weights = self._lost_weights
         supervisor.on_restarted.append(self._on_restarted)
         supervisor.on_died.append(self._on_died)
         # Scoring retries and instance changes go to the run's events.jsonl too.
@@ -120,6 +121,20 @@ class Recovery:
         name = next((n for n, k in self.rollout_index.items() if k == engine.index), f"rollout-{engine.index}")
         self.sup.event("rollout.prompts_moved", service=name, request_id=request_id, prompts=prompts,
                        lost_samples=lost_samples)
+
+    def _lost_weights(self, engine, why: str) -> None:
+        """An admitted engine no longer holds the pushed weights: it restarted faster than two
+        health checks a second apart notice (static placement: the deployment brought it back on
+        the same address). It is treated as restarted: out of the pool, and admitted again after a
+        new weight group and the current weights."""
+        if engine not in self.t.pool.engines or engine.syncing:
+            return
+        instance = self._instance_of(engine)
+        self.sup.event("rollout.lost_state", service=instance.name, address=engine.address, error=why[:300],
+                       expected=self.t.state.weight_version, action="push the current weights before its next prompt")
+        self.t.pool.replace(engine.index, engine.address)  # a new channel; and a new weight group (_group_stale)
+        instance.state = SYNCING
+        self.refresh_status()
 
     def _instance_of(self, engine) -> Instance:
         name = next(n for n, k in self.rollout_index.items() if k == engine.index)
@@ -210,6 +225,14 @@ class Recovery:
                            expected=self.t.state.weight_version, action="rewind to the last checkpoint")
             raise LearnerRestarted(f"the learner holds weight version {info.weight_version}, not "
                                    f"{self.t.state.weight_version}: it restarted")
+        # The same for a rollout engine: one that no longer holds the pushed version is admitted again.
+        engines = self.t.pool.admitted()
+        infos = await asyncio.gather(*(self.t.pool.model_infos([e]) for e in engines), return_exceptions=True)
+        for engine, engine_info in zip(engines, infos):
+            if isinstance(engine_info, BaseException):
+                continue  # a dead one is the supervisor's; its Generate moves its prompts meanwhile
+            if engine_info[0].weight_version < self.t.state.weight_version:
+                self._lost_weights(engine, f"the engine holds weight version {engine_info[0].weight_version}")
         if not self.t.pool.admitted():
             await self.wait_for_engine()
         elif any(e.syncing for e in self._members()):

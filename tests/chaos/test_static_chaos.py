@@ -255,3 +255,66 @@ async def _model_infos(addresses: list[str]) -> list:
             stub = rollout_pb2_grpc.RolloutServiceStub(channel)
             infos.append(await stub.GetModelInfo(rollout_pb2.GetModelInfoRequest(), timeout=30))
     return infos
+
+
+def test_engine_restarted_between_health_checks_is_brought_back(tiny_model_dir, tiny_data_dir, tmp_path):
+    """A rollout engine that the deployment restarts before the supervisor looks (here the poll is an
+    hour apart: no death is ever seen) answers at its address with the initial weights. The next step
+    finds it holding an old version, treats it as restarted (event rollout.lost_state) and pushes it
+    the current weights before it gets prompts, instead of failing the run on its first Generate."""
+    model = str(tiny_model_dir)
+    deploy = Deployment(tmp_path / "services", tiny_model_dir)
+    rollout_args = ["--pretrain", model, "--engine", "hf", "--hf_device", "cpu", "--max_model_len", "128", "--seed", "0"]
+    engines = [deploy.define(f"rollout-{i}", "services.rollout", rollout_args) for i in range(2)]
+    reward = deploy.define("reward", "services.reward", ["--reward_func", "math", "--device", "cpu"])
+    learner = deploy.define("learner", "services.learner", [
+        "--pretrain", model, "--train_batch_size", "16", "--micro_train_batch_size", "16", "--actor_learning_rate",
+        "1e-3", "--seed", "0"])
+    run_dir, ready_file = tmp_path / "run", tmp_path / "control.json"
+    argv = ["--placement", "static", "--rollout_addresses", *engines, "--reward_addresses", reward,
+            "--learner_address", learner, "--weight_sync_master", f"127.0.0.1:{get_free_port()}",
+            "--pretrain", model, "--prompt_data", str(tiny_data_dir / "arith_train.jsonl"), "--input_key", "prompt",
+            "--label_key", "label", "--advantage_estimator", "group_norm", "--init_kl_coef", "0",
+            "--n_samples_per_prompt", "4", "--rollout_batch_size", "4", "--micro_rollout_batch_size", "8",
+            "--train_batch_size", "16", "--micro_train_batch_size", "16", "--generate_max_len", "16",
+            "--prompt_max_len", "64", "--max_steps", "3", "--seed", "0", "--run_dir", str(run_dir),
+            "--save_path", "", "--disable_ds_ckpt", "--port", "0", "--ready_file", str(ready_file),
+            "--health_poll_s", "3600"]
+    coordinator = None
+    try:
+        deploy.start("rollout-0", "rollout-1", "reward", "learner")
+        deploy.ready("rollout-0", "rollout-1", "reward", "learner")
+        log = tmp_path / "coordinator.log"
+        coordinator = start_coordinator("services.coordinator", argv, log)
+        address = wait_for_file(ready_file, coordinator, log, timeout_s=120)["address"]
+        channel, stub = control_stub(address, run_dir)
+        with channel:
+            wait_status(stub, during(1, pb.PHASE_GENERATING), coordinator, "step 1 generating")
+            stub.Pause(pb.PauseRequest(), timeout=10)  # after step 1
+            paused = wait_status(stub, lambda s: s.state == pb.RUN_STATE_PAUSED, coordinator, "the pause")
+            assert paused.global_step == 1
+            deploy.kill("rollout-1")  # and back on its address before the supervisor's next look
+            deploy.start("rollout-1")
+            deploy.ready("rollout-1")
+            stub.Resume(pb.ResumeRequest(), timeout=10)
+        output = finish(coordinator, log, timeout_s=300)
+        assert coordinator.returncode == 0, output[-6000:]
+        infos = asyncio.run(_model_infos(engines))
+    finally:
+        if coordinator is not None and coordinator.poll() is None:
+            coordinator.kill()
+        deploy.stop()
+    records = read_metrics(run_dir)
+    assert [r["global_step"] for r in records] == [1, 2, 3]
+    assert all(r["samples/generated"] == 16 and r["samples/trained"] == 16 for r in records), records
+    log_events = events(run_dir)
+    kinds = [(e["event"], e.get("service")) for e in log_events]
+    assert ("service.died", "rollout-1") not in kinds  # unseen by the supervisor
+    lost = kinds.index(("rollout.lost_state", "rollout-1"))
+    admitted = [e for e in log_events[lost:] if e["event"] == "rollout.admitted" and e["service"] == "rollout-1"]
+    assert admitted and admitted[0]["version"] == records[0]["weights/version"], log_events
+    assert "step.failed" not in [k for k, _ in kinds]
+    # It got step 1's weights before its first prompt, and both engines end on the last push.
+    assert updated_before_generating(deploy.log_since_last_start("rollout-1"))
+    assert [i.weight_version for i in infos] == [records[-1]["weights/version"]] * 2
+    assert infos[0].weights_checksum == infos[1].weights_checksum
