@@ -32,7 +32,8 @@ def seed_grpo_command(model, reward_model, data, out) -> list[str]:
             # What the skill page leaves to the reader: the data, the group size, how long to run.
             "--prompt_data", str(data / "arith_train.jsonl"), "--input_key", "prompt", "--apply_chat_template",
             "--n_samples_per_prompt", "2", "--max_steps", "2", "--generate_max_len", "16", "--prompt_max_len", "64",
-            "--ckpt_path", str(out / "ckpt"), "--save_steps", "1", "--run_dir", str(out / "run")]
+            "--ckpt_path", str(out / "ckpt"), "--save_steps", "1", "--run_dir", str(out / "run"),
+            "--enforce_eager"]  # vLLM without torch.compile: starts in ~21 s instead of ~55 s on 2 cores
 
 
 def test_seed_grpo_command_runs_locally(tiny_model_dir, tiny_reward_model_dir, tiny_data_dir, tmp_path):

@@ -41,7 +41,7 @@ def services(tiny_model_dir, tmp_path_factory):
     model = str(tiny_model_dir)
     procs = [
         spawn_service("rollout", "services.rollout", ["--pretrain", model, "--gpu_memory_utilization", "0.1",
-                                                      "--max_model_len", "128", "--seed", "0"], logs, env=env),
+                                                      "--max_model_len", "128", "--seed", "0", "--enforce_eager"], logs, env=env),
         spawn_service("reward", "services.reward", ["--reward_func", "math,format", "--format_pattern", ".*th.*",
                                                     "--ref_pretrain", model, "--device", "cpu"], logs, env=env),
         spawn_service("learner", "services.learner", ["--pretrain", model, "--train_batch_size", "16",
