@@ -24,6 +24,7 @@ engine) whenever its membership changes: a gloo/NCCL group cannot lose or gain a
 from __future__ import annotations
 
 import asyncio
+import re
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -55,7 +56,7 @@ class Recovery:
         trainer.recovery = self
         trainer.pool.wait_for_engine = self.wait_for_engine
         trainer.pool.on_prompts_moved = self._prompts_moved
-        trainer.pool.on_lost_weights = self._lost_weights
+        trainer.pool.on_lost_weights = self._generate_refused
         supervisor.on_restarted.append(self._on_restarted)
         supervisor.on_died.append(self._on_died)
         # Scoring retries and instance changes go to the run's events.jsonl too.
@@ -135,6 +136,16 @@ class Recovery:
         self.t.pool.replace(engine.index, engine.address)  # a new channel; and a new weight group (_group_stale)
         instance.state = SYNCING
         self.refresh_status()
+
+    def _generate_refused(self, engine, why: str) -> bool:
+        """A Generate refused for expected_weight_version ("... the engine holds version N, not M",
+        services/rollout/server.py): whether the engine lost the pushed weights (it holds an older
+        version than the run's: restarted unseen), in which case it is out. A newer version is no loss."""
+        held = re.search(r"holds version (\d+)", why)
+        if held is None or int(held.group(1)) >= self.t.state.weight_version:
+            return False
+        self._lost_weights(engine, why)
+        return True
 
     def _instance_of(self, engine) -> Instance:
         name = next(n for n, k in self.rollout_index.items() if k == engine.index)

@@ -63,8 +63,9 @@ class RolloutPool:
         self.engines = [self._connect(i, address) for i, address in enumerate(addresses)]
         # Awaited when no engine is admitted; returns once one is (None: fail instead).
         self.wait_for_engine: Callable[[], Awaitable[None]] | None = None
-        # (engine, error): an engine holds other weights than it should; set by recovery.py (see run_chunk)
-        self.on_lost_weights: Callable[[Engine, str], None] | None = None
+        # (engine, error) -> whether the engine lost its weights (then it is out, as if it had died);
+        # set by recovery.py (see run_chunk)
+        self.on_lost_weights: Callable[[Engine, str], bool] | None = None
         # Called with (engine, request id, prompts moved, samples received and dropped) when a
         # failed engine's unfinished prompts go to the others (recovery.py counts and logs them).
         self.on_prompts_moved: Callable[[Engine, str, int, int], None] | None = None
@@ -82,7 +83,10 @@ class RolloutPool:
         engine = self._connect(index, address)
         engine.healthy, engine.syncing = False, True
         self.engines[position] = engine
-        asyncio.ensure_future(old.channel.close())
+        # With a grace: calls still running on the old channel end by themselves (an engine that died
+        # fails them, one that lost its weights refuses them) and are handled as failures; closing at
+        # once would cancel them, which reads as a cancellation of the whole generation.
+        asyncio.ensure_future(old.channel.close(grace=self.timeout_s))
         return engine
 
     def add(self, address: str) -> Engine:
@@ -158,10 +162,9 @@ class RolloutPool:
                 # An engine that lost its weights (restarted faster than a health check notices:
                 # same address, initial weights) is out until a push admits it again, like a dead one.
                 lost_weights = (exc.code() == grpc.StatusCode.FAILED_PRECONDITION and self.on_lost_weights is not None
-                                and (exc.details() or "").startswith("expected_weight_version"))
-                if lost_weights:
-                    self.on_lost_weights(engine, exc.details())
-                elif exc.code() != grpc.StatusCode.UNAVAILABLE:
+                                and (exc.details() or "").startswith("expected_weight_version")
+                                and self.on_lost_weights(engine, exc.details()))
+                if not lost_weights and exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise RuntimeError(f"rollout {engine.index} ({engine.address}) Generate {request.request_id} "
                                        f"failed: {exc.code().name}: {exc.details()}") from None
                 engine.healthy = False
