@@ -35,11 +35,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def get_free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free on host a moment ago (the OS may hand it out again; bind soon)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port that was free on host a moment ago and that this process has not handed out before:
+    tests define several services' ports before any binds, and the OS may offer one port twice."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 @pytest.fixture

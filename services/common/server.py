@@ -95,8 +95,11 @@ class ServiceRunner:
         self.log = get_logger(name)
         self.auth_token = resolve_token(config.auth_token, config.auth_token_file) if auth_token is None else auth_token
         interceptors = [TokenAuthInterceptor(self.auth_token, name)] if self.auth_token else []
-        self.server = grpc.aio.server(options=channel_options(
-            config.max_message_mb, config.keepalive_time_s, config.keepalive_timeout_s), interceptors=interceptors)
+        # No SO_REUSEPORT (gRPC's default on Linux): a second service started on a port in use would
+        # bind it too and take a share of its connections; here it fails to start instead.
+        self.server = grpc.aio.server(options=[*channel_options(
+            config.max_message_mb, config.keepalive_time_s, config.keepalive_timeout_s), ("grpc.so_reuseport", 0)],
+            interceptors=interceptors)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names: list[str] = []
@@ -133,12 +136,15 @@ class ServiceRunner:
             [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME], self.server)
         address = f"{cfg.host}:{cfg.port}"
-        if cfg.tls_cert:
-            self.port = self.server.add_secure_port(address, self._credentials())
-        else:
-            self.port = self.server.add_insecure_port(address)
+        try:
+            if cfg.tls_cert:
+                self.port = self.server.add_secure_port(address, self._credentials())
+            else:
+                self.port = self.server.add_insecure_port(address)
+        except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
+            raise RuntimeError(f"could not bind {address} ({exc}); is the port in use? Choose another --port") from None
         if self.port == 0:
-            raise RuntimeError(f"could not bind {address}; is the port in use?")
+            raise RuntimeError(f"could not bind {address}; is the port in use? Choose another --port")
         await self.server.start()
         if cfg.metrics_port >= 0:
             self.metrics_port = start_metrics_server(self.name, cfg.metrics_port, cfg.host)

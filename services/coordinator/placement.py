@@ -15,6 +15,7 @@ import pathlib
 import shlex
 import socket
 
+import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.client import make_channel, verify_tls_as, wait_for_serving
@@ -354,12 +355,35 @@ class LocalPlacement:
 
 async def serves(address: str, service: str, timeout_s: float = 5.0) -> bool:
     """Whether the server at address reports `service` SERVING (grpc.health.v1 per service)."""
+    return (await _health(address, service, timeout_s))[0] is True
+
+
+async def _health(address: str, service: str, timeout_s: float) -> tuple[bool | None, str]:
+    """(True: SERVING | False: the server has no such service | None: not known now, why)."""
     try:
         async with make_channel(address, default_timeout_s=timeout_s) as channel:
             reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service))
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
-    except Exception:  # noqa: BLE001 - NOT_FOUND (no such service) or unreachable: it does not serve it
-        return False
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() == grpc.StatusCode.NOT_FOUND:
+            return False, f"{address} has no {service}"
+        return None, f"{address}: {exc.code().name}: {exc.details()}"
+    except Exception as exc:  # noqa: BLE001 - e.g. a bad address: reported by the caller
+        return None, f"{address}: {type(exc).__name__}: {exc}"
+    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+        return True, ""
+    return None, f"{address} reports {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)} for {service}"
+
+
+async def serves_service(address: str, service: str, timeout_s: float) -> tuple[bool, str]:
+    """Whether the server at address has `service`: asks again while the answer is unknown (the
+    server busy, a lost connection) until timeout_s; (answer, why not)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        answer, why = await _health(address, service, min(5.0, max(deadline - loop.time(), 0.5)))
+        if answer is not None or loop.time() >= deadline:
+            return bool(answer), why
+        await asyncio.sleep(0.5)
 
 
 DEFAULT_WEIGHT_SYNC_PORT = 29600  # static placement, learner on another host: the rendezvous port
@@ -418,11 +442,12 @@ class StaticPlacement:
         reference = list(cfg.ref_addresses)
         if cfg.ref_needed and not reference:
             # A reward service started with --ref_pretrain serves both roles.
-            flags = await asyncio.gather(*(serves(a, REFERENCE_SERVICE) for a in cfg.reward_addresses))
-            reference = [a for a, ok in zip(cfg.reward_addresses, flags) if ok]
+            answers = await asyncio.gather(*(serves_service(a, REFERENCE_SERVICE, 60.0) for a in cfg.reward_addresses))
+            reference = [a for a, (ok, _) in zip(cfg.reward_addresses, answers) if ok]
             if not reference:
                 raise RuntimeError("--init_kl_coef > 0 needs a reference service: give --ref_addresses, start a "
-                                   "reward service with --ref_pretrain, or set --init_kl_coef 0")
+                                   "reward service with --ref_pretrain, or set --init_kl_coef 0 ("
+                                   + "; ".join(why for _, why in answers) + ")")
         self.reference = reference
         log_event(_log, "static.ready", rollout=",".join(cfg.rollout_addresses), learner=cfg.learner_address)
         return Endpoints(list(cfg.rollout_addresses), list(cfg.reward_addresses), reference, cfg.learner_address)
@@ -483,7 +508,7 @@ class StaticPlacement:
             raise ValueError(f"{address} is already a {role} instance of this run")
         await wait_for_serving(address, min(cfg.service_start_timeout_s, 60.0))
         roles = (role,)
-        if role == "reward" and self.reference and await serves(address, REFERENCE_SERVICE):
+        if role == "reward" and self.reference and (await serves_service(address, REFERENCE_SERVICE, 60.0))[0]:
             roles = ("reward", "reference")
             self.reference.append(address)
         listed.append(address)

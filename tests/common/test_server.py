@@ -167,3 +167,17 @@ def test_health_goes_not_serving_during_grace(tmp_path):
             assert slow.result() == b"00002500"
     finally:
         proc.kill()
+
+
+def test_a_second_service_on_a_port_in_use_fails_to_start(echo_server):
+    # gRPC binds with SO_REUSEPORT by default: a second server on the same port would start and take
+    # a share of the first one's connections. Ours refuse the port instead.
+    proc = subprocess.run([sys.executable, "-m", "tests.common.echo_server", "--host", "127.0.0.1",
+                           "--port", str(echo_server["port"]), "--metrics_port", "-1"],
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert f"could not bind 127.0.0.1:{echo_server['port']}" in proc.stderr and "port in use" in proc.stderr, proc.stderr
+    for _ in range(5):  # new connections still reach the first server
+        with make_sync_channel(echo_server["address"], default_timeout_s=10) as channel:
+            assert echo_call(channel, b"00000000ping") == b"00000000ping"
