@@ -271,8 +271,10 @@ def test_engine_restarted_between_health_checks_is_brought_back(tiny_model_dir, 
         "--pretrain", model, "--train_batch_size", "16", "--micro_train_batch_size", "16", "--actor_learning_rate",
         "1e-3", "--seed", "0"])
     run_dir, ready_file = tmp_path / "run", tmp_path / "control.json"
+    # A new rendezvous port per weight group (the default with a local learner); the fixed-port case
+    # is the test above.
     argv = ["--placement", "static", "--rollout_addresses", *engines, "--reward_addresses", reward,
-            "--learner_address", learner, "--weight_sync_master", f"127.0.0.1:{get_free_port()}",
+            "--learner_address", learner,
             "--pretrain", model, "--prompt_data", str(tiny_data_dir / "arith_train.jsonl"), "--input_key", "prompt",
             "--label_key", "label", "--advantage_estimator", "group_norm", "--init_kl_coef", "0",
             "--n_samples_per_prompt", "4", "--rollout_batch_size", "4", "--micro_rollout_batch_size", "8",
