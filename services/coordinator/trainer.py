@@ -23,6 +23,7 @@ import math
 import pathlib
 import sys
 import time
+import uuid
 from collections.abc import Awaitable
 
 import grpc
@@ -235,7 +236,10 @@ class Trainer:
         self.group_engines = list(engines)
         backend = self._sync_backend()
         world_size = 1 + sum(e.tensor_parallel_size for e in engines)
-        group = f"rlmesh-weights-{_step_seed(self.config.seed, int(time.time()), 'group')}"
+        # Unique per group: with a fixed rendezvous port (--weight_sync_master) the store of the group
+        # being replaced may still answer, and a rank that reached it under the same name would read
+        # the old group's gloo addresses (a name from the second of the build repeated within a second).
+        group = f"rlmesh-weights-{uuid.uuid4().hex[:16]}"
         if backend == "ipc":
             await asyncio.gather(
                 self.learner.InitWeightTransfer(learner_pb2.InitWeightTransferRequest(backend=BACKENDS[backend]), timeout=120.0),
