@@ -157,11 +157,7 @@ async def evaluate(pool: RolloutPool, score, prompts: list[Prompt], n: int, samp
             task.cancel()
         raise
     results = [PromptResult(p.datasource, verdicts[p.uid], lengths[p.uid]) for p in prompts]
-    metrics = summarize(results, n, prefix)
-    metrics[f"{prefix}seconds"] = time.monotonic() - started
-    overall = {k.removeprefix(prefix): f"{v:.4g}" for k, v in metrics.items() if "/" not in k.removeprefix(prefix)}
-    log_event(_log, f"{request_name}.done", samples_per_prompt=n, **overall)
-    return metrics
+    return _report(summarize(results, n, prefix), prefix, started, request_name, samples_per_prompt=n)
 
 
 async def evaluate_episodes(agents, score, prompts: list[Prompt], n: int, sampling: rollout_pb2.SamplingOptions,
@@ -192,9 +188,14 @@ async def evaluate_episodes(agents, score, prompts: list[Prompt], n: int, sampli
                 rewards[i + k] = float(scored.rewards[k])
                 extras[i + k].update({name: float(v[k]) for name, v in scored.extra.items()})
     metrics = episode_metrics(prompts, n, outcomes, rewards, extras, pass_reward, prefix)
+    return _report(metrics, prefix, started, request_name, samples_per_prompt=n, episodes=len(outcomes))
+
+
+def _report(metrics: dict[str, float], prefix: str, started: float, request_name: str, **fields) -> dict[str, float]:
+    """Adds f"{prefix}seconds" and logs the overall (not per-datasource) numbers as <request_name>.done."""
     metrics[f"{prefix}seconds"] = time.monotonic() - started
     overall = {k.removeprefix(prefix): f"{v:.4g}" for k, v in metrics.items() if "/" not in k.removeprefix(prefix)}
-    log_event(_log, f"{request_name}.done", samples_per_prompt=n, episodes=len(outcomes), **overall)
+    log_event(_log, f"{request_name}.done", **fields, **overall)
     return metrics
 
 

@@ -327,10 +327,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                             f"the push of weight version {version} failed part-way ({type(exc).__name__}: {exc}); "
                             "the engine may hold a mix of old and new weights until a complete push succeeds")
             log_event(log, "weights.update.failed", version=version, chunk=chunk.chunk_index, error=exc)
-            if self.frozen:  # they must not continue on a mix of old and new weights
-                await self.engine.abort_frozen()
-                self.frozen = False
-                await self.gate.hold_shared(False)
+            await self._unfreeze(None)  # they must not continue on a mix of old and new weights
             raise ServiceError(grpc.StatusCode.ABORTED,
                                f"weight push of version {version} failed while receiving chunk {chunk.chunk_index}: "
                                f"{exc}; Generate is refused until a complete push succeeds; fix: call "
@@ -351,13 +348,22 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.checksum = combine_digests(self.digests)
         self._set_state(rollout_pb2.WEIGHTS_STATE_READY, "")
         metrics.WEIGHT_VERSION.set(version)
-        if self.frozen:
-            await self.engine.resume_generation(version)
-            self.frozen = False
-            await self.gate.hold_shared(False)
+        await self._unfreeze(version)
         log_event(log, "weights.update.done", version=version, checksum=self.checksum, seconds=f"{elapsed:.3f}")
         return rollout_pb2.UpdateWeightsResponse(weight_version=version, weights_checksum=self.checksum,
                                                  received_params=received, duration_s=elapsed)
+
+    async def _unfreeze(self, version: int | None) -> None:
+        """Ends a partial-rollout freeze: the frozen requests continue on weight version `version`,
+        or are aborted (None: the push failed), and new Generate calls are let in again."""
+        if not self.frozen:
+            return
+        if version is None:
+            await self.engine.abort_frozen()
+        else:
+            await self.engine.resume_generation(version)
+        self.frozen = False
+        await self.gate.hold_shared(False)
 
     def _set_state(self, state: int, detail: str) -> None:
         self.state, self.state_detail = state, detail

@@ -81,6 +81,19 @@ class Deployment:
     def stop(self) -> None:
         stop_all(list(self.procs.values()), 20.0)
 
+    def run_coordinator(self, argv: list[str], log: pathlib.Path, ready_file: pathlib.Path, run_dir: pathlib.Path):
+        """Starts every defined service, waits for them, then starts the coordinator on them.
+        Returns (process, control address, channel, control stub)."""
+        self.start(*self.argv)
+        self.ready(*self.argv)
+        coordinator = start_coordinator("services.coordinator", argv, log)
+        try:
+            address = wait_for_file(ready_file, coordinator, log, timeout_s=120)["address"]
+        except BaseException:
+            coordinator.kill()
+            raise
+        return (coordinator, address, *control_stub(address, run_dir))
+
 
 def wait_status(stub, predicate, proc, what: str, timeout_s: float = 300.0) -> pb.GetStatusResponse:
     deadline = time.monotonic() + timeout_s
@@ -146,13 +159,9 @@ def test_static_services_die_restart_scale_and_the_coordinator_resumes(tiny_mode
             "--restart_backoff_s", "0.5", "--rpc_timeout_s", "600"]
     coordinator = None
     try:
-        deploy.start("rollout-0", "rollout-1", "rollout-2", "reward", "learner")
-        deploy.ready("rollout-0", "rollout-1", "rollout-2", "reward", "learner")
-        started_s = time.monotonic() - t0
         log_a = tmp_path / "coordinator-a.log"
-        coordinator = start_coordinator("services.coordinator", argv, log_a)
-        address = wait_for_file(ready_file, coordinator, log_a, timeout_s=120)["address"]
-        channel, stub = control_stub(address, run_dir)
+        coordinator, address, channel, stub = deploy.run_coordinator(argv, log_a, ready_file, run_dir)
+        started_s = time.monotonic() - t0
         with channel:
             # Step 1: rollout-0 dies while generating; the deployment starts it again at once.
             wait_status(stub, during(1, pb.PHASE_GENERATING), coordinator, "step 1 generating")
@@ -198,7 +207,7 @@ def test_static_services_die_restart_scale_and_the_coordinator_resumes(tiny_mode
         if all(survivors[f"rollout-{i}"] for i in range(2)):
             engine_infos = asyncio.run(_model_infos(engines[:2]))
         deploy.stop()
-    print(f"services started in {started_s:.1f} s; first coordinator killed at {first_run_s:.1f} s; "
+    print(f"services and coordinator started in {started_s:.1f} s; first coordinator killed at {first_run_s:.1f} s; "
           f"total {time.monotonic() - t0:.1f} s")
 
     # The resumed coordinator used the running services: the same processes, none of them restarted.
@@ -284,12 +293,8 @@ def test_engine_restarted_between_health_checks_is_brought_back(tiny_model_dir, 
             "--health_poll_s", "3600"]
     coordinator = None
     try:
-        deploy.start("rollout-0", "rollout-1", "reward", "learner")
-        deploy.ready("rollout-0", "rollout-1", "reward", "learner")
         log = tmp_path / "coordinator.log"
-        coordinator = start_coordinator("services.coordinator", argv, log)
-        address = wait_for_file(ready_file, coordinator, log, timeout_s=120)["address"]
-        channel, stub = control_stub(address, run_dir)
+        coordinator, address, channel, stub = deploy.run_coordinator(argv, log, ready_file, run_dir)
         with channel:
             wait_status(stub, during(1, pb.PHASE_GENERATING), coordinator, "step 1 generating")
             stub.Pause(pb.PauseRequest(), timeout=10)  # after step 1
