@@ -337,9 +337,19 @@ Messages = list[dict]
 
 
 def _field(row: dict, key: str) -> Any:
-    if key not in row or row[key] is None:
-        raise BadRow(f"missing key {key!r}", f"the row has keys {sorted(row)}")
-    return row[key]
+    """row[key]; a dotted key that is not a column itself reaches into nested objects, as veRL's
+    `reward_model.ground_truth` does."""
+    if key in row and row[key] is not None:
+        return row[key]
+    if key not in row and "." in key:
+        value: Any = row
+        for part in key.split("."):
+            if not isinstance(value, dict) or value.get(part) is None:
+                have = sorted(value) if isinstance(value, dict) else type(value).__name__
+                raise BadRow(f"missing key {key!r}", f"no {part!r} under it (found {have})")
+            value = value[part]
+        return value
+    raise BadRow(f"missing key {key!r}", f"the row has keys {sorted(row)}")
 
 
 def _messages(value: Any, key: str) -> Messages:

@@ -73,7 +73,8 @@ class CoordinatorConfig(ServerConfig):
     ref_pretrain: str = opt("", "local folder of the reference model; empty = --pretrain")
     critic_pretrain: str = opt("", "local folder to initialise the critic from; empty = --reward_pretrain or --pretrain")
     reward_pretrain: str = opt("", "local folder of a reward model (HF sequence classification, one label)")
-    remote_rm_url: str = opt("", "reward server URL(s), comma separated, or a Python file defining reward_func")
+    remote_rm_url: str = opt("", "reward server URL(s), comma separated, or a Python file defining reward_func "
+                             "(OpenRLHF) or compute_score (veRL); FILE.py:NAME picks another function")
     remote_rm_batch_size: int = opt(64, "samples per call to the --remote_rm_url server(s) or reward function; 1 "
                                         "calls them one sample at a time, as OpenRLHF does (they may then answer "
                                         "single numbers)")

@@ -8,6 +8,7 @@ import pathlib
 
 from services.common.config import ConfigError, opt
 from services.common.server import ServerConfig
+from services.reward.function_worker import split_file_target
 from services.reward.grpc_source import SCHEME as GRPC_SCHEME
 from services.reward.rules import RULES
 
@@ -22,7 +23,9 @@ class RewardConfig(ServerConfig):
                                    "the value-head layout); serves RewardService")
     remote_rm_url: str = opt("", "remote reward: comma-separated HTTP URLs (http://host:5000/get_reward,...), "
                                  "comma-separated gRPC servers (grpc://host:port,...), or a Python file defining "
-                                 "reward_func(queries, prompts, labels, **kwargs)")
+                                 "reward_func(queries, prompts, labels, **kwargs) (OpenRLHF) or compute_score("
+                                 "data_source, solution_str, ground_truth, extra_info) (veRL); FILE.py:NAME "
+                                 "picks another function")
     reward_func: str = opt("", f"built-in rule reward(s), comma-separated, rewards add up: {', '.join(RULES)}")
     # Reference role.
     ref_pretrain: str = opt("", "reference model folder (causal LM); serves ReferenceService (RefLogProbs)")
@@ -122,8 +125,8 @@ class RewardConfig(ServerConfig):
 
     def _parse_remote(self) -> None:
         entries = [u.strip() for u in self.remote_rm_url.split(",") if u.strip()]
-        if len(entries) == 1 and entries[0].endswith(".py"):
-            if not pathlib.Path(entries[0]).is_file():
+        if len(entries) == 1 and split_file_target(entries[0])[0].endswith(".py"):
+            if not pathlib.Path(split_file_target(entries[0])[0]).is_file():
                 raise ConfigError(f"--remote_rm_url {entries[0]}: no such reward function file")
             self.remote_kind, self.remote_urls = "function", entries
             return

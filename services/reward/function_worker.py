@@ -2,8 +2,8 @@
 
     python -m services.reward.function_worker READ_FD WRITE_FD
 
-A worker is a fresh interpreter that imports only this module and the reward function: from its
-file, or by module and name for a function handed over in Python. It answers calls over two pipes,
+A worker is a fresh interpreter that imports only this module (and verl_convention.py) and the
+reward function: from its file, or by module and name for a function handed over in Python. It answers calls over two pipes,
 each in its main thread, so that code which times out with SIGALRM (math-verify,
 timeout_decorator, ...) works as it does in a script. Results travel back as plain Python (tensors
 and arrays become lists), so the parent never depends on what the user's code imported. This
@@ -27,6 +27,8 @@ import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
+from services.reward import verl_convention
+
 OPTIONAL_ARGUMENTS = ("responses", "sample_ids", "data_sources")
 _TRACEBACK_CHARS = 2000  # tail of a user traceback quoted in the error
 
@@ -35,8 +37,25 @@ class ImportProblem(Exception):
     """The reward function file cannot be used; the message says why and what to fix."""
 
 
-def load_reward_func(path: str) -> Callable:
-    """Imports `reward_func` from a Python file; ImportProblem says what is missing."""
+FUNCTION_NAMES = ("reward_func", "compute_score")  # looked for in this order when the file names none
+
+
+def split_file_target(target: str) -> tuple[str, str | None]:
+    """"file.py" -> (file.py, None); "file.py:name" -> (file.py, name) (veRL's custom_reward_function.name)."""
+    path, sep, name = target.rpartition(":")
+    if sep and path.endswith(".py") and name.isidentifier():
+        return path, name
+    return target, None
+
+
+def load_reward_func(target: str) -> Callable:
+    """Imports the reward function of a Python file ("file.py", or "file.py:name" for another name).
+
+    OpenRLHF's reward_func(queries, prompts, labels, **kwargs) is returned as it is; veRL's
+    compute_score (one sample or a batch per call, see verl_convention.py) wrapped to that form.
+    ImportProblem says what is missing.
+    """
+    path, name = split_file_target(target)
     file = pathlib.Path(path)
     if not file.is_file():
         raise ImportProblem(f"--remote_rm_url {path}: no such file")
@@ -46,10 +65,19 @@ def load_reward_func(path: str) -> Callable:
         spec.loader.exec_module(module)
     except BaseException as exc:  # noqa: BLE001 - any import failure of user code is a config problem
         raise ImportProblem(f"--remote_rm_url {path}: importing it failed: {type(exc).__name__}: {exc}") from exc
-    func = vars(module).get("reward_func")
-    if not callable(func):
-        raise ImportProblem(f"--remote_rm_url {path}: defines no function reward_func(queries, prompts, labels, "
-                            "**kwargs)")
+    found = vars(module)
+    if name is not None:
+        func = found.get(name)
+        if not callable(func):
+            raise ImportProblem(f"--remote_rm_url {target}: {path} defines no function {name}")
+    else:
+        func = next((found[n] for n in FUNCTION_NAMES if callable(found.get(n))), None)
+        if func is None:
+            raise ImportProblem(f"--remote_rm_url {path}: defines no function reward_func(queries, prompts, labels, "
+                                "**kwargs) (OpenRLHF) or compute_score(data_source, solution_str, ground_truth, "
+                                "extra_info) (veRL); name another one as FILE.py:NAME")
+    if verl_convention.convention(func) != "openrlhf":
+        return verl_convention.as_batch_reward_func(func, f"{path}:{func.__name__}")
     return func
 
 

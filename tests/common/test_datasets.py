@@ -243,3 +243,29 @@ def test_preferences_strings_and_message_lists(tmp_path, tokenizer):
         assert masked_text(tokenizer, p.rejected_ids, p.rejected_mask) == "5<|im_end|>"
     plain = load_preferences(path, tokenizer=tokenizer, max_samples=1, shuffle=False)[0]
     assert tokenizer.decode(plain.chosen_ids) == "2+2=4" + tokenizer.eos_token
+
+
+def test_verl_parquet_rows_with_a_nested_ground_truth(tmp_path, tokenizer):
+    """veRL's preprocessed datasets: the prompt is a message list, the label sits at
+    reward_model.ground_truth, data_source is a column; a dotted --label_key reaches into the object."""
+    import pyarrow as pa
+
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "2+2="}], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": "4"}, "extra_info": {"split": "train", "index": 0}},
+            {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "3+3="}], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": "6"}, "extra_info": {"split": "train", "index": 1}},
+            {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "1+1="}], "ability": "math",
+             "reward_model": {"style": "rule"}, "extra_info": {"split": "train", "index": 2}}]
+    pyarrow.parquet.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    loaded = load_prompts(tmp_path / "train.parquet", input_key="prompt", label_key="reward_model.ground_truth",
+                          tokenizer=tokenizer, apply_chat_template=True, shuffle=False)
+    assert [(r.label, r.datasource) for r in loaded] == [("4", "openai/gsm8k"), ("6", "openai/gsm8k")]
+    assert loaded[0].prompt == "<|im_start|>user\n2+2=<|im_end|>\n<|im_start|>assistant\n"
+    # The row without a ground truth is skipped (fatal with strict), with the reason and what was there.
+    with pytest.raises(DatasetError, match=r"missing key 'reward_model.ground_truth'.*no 'ground_truth' under it"):
+        load_prompts(tmp_path / "train.parquet", input_key="prompt", label_key="reward_model.ground_truth",
+                     tokenizer=tokenizer, apply_chat_template=True, shuffle=False, strict=True)
+    # The whole object is still there under its own name.
+    whole = load_prompts(tmp_path / "train.parquet", input_key="prompt", label_key="reward_model",
+                         tokenizer=tokenizer, apply_chat_template=True, shuffle=False)
+    assert json.loads(whole[0].label) == {"style": "rule", "ground_truth": "4"}

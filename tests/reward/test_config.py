@@ -17,6 +17,14 @@ def test_remote_url_kinds(tmp_path):
     f = tmp_path / "r.py"
     f.write_text("def reward_func(q, p, l):\n    return [0.0] * len(q)\n")
     assert parse("--remote_rm_url", str(f)).remote_kind == "function"
+    # A function named in the file (veRL's custom_reward_function.name), as the coordinator passes it on:
+    # made absolute against the user's working directory, the name kept.
+    from services.common.paths import absolute_paths
+
+    named = absolute_paths("r.py:compute_score", "remote_rm_url")
+    assert named.endswith("/r.py:compute_score")
+    cfg = parse("--remote_rm_url", f"{f}:compute_score")
+    assert (cfg.remote_kind, cfg.remote_urls) == ("function", [f"{f}:compute_score"])
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -25,6 +33,7 @@ def test_remote_url_kinds(tmp_path):
     (["--remote_rm_url", "http://a/x,grpc://b:1"], "not mixed"),
     (["--remote_rm_url", "grpc://nohostport"], "grpc://host:port"),
     (["--remote_rm_url", "missing.py"], "no such reward function file"),
+    (["--remote_rm_url", "missing.py:compute_score"], "missing.py:compute_score: no such reward function file"),
     (["--reward_func", "math,style"], "unknown rule(s) ['style']"),
     (["--reward_func", "math", "--reward_clip_range", "1"], "LOW HIGH"),
     (["--reward_func", "math", "--reward_clip_range", "2", "1"], "LOW < HIGH"),

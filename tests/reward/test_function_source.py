@@ -278,3 +278,71 @@ def test_a_stuck_worker_ends_when_the_service_is_killed(tmp_path):
     finally:
         if service.poll() is None:
             service.kill()
+
+
+VERL_FILE = '''
+import re
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    # veRL's convention: one sample per call, a number or a dict whose "score" is the reward.
+    assert extra_info == {}
+    found = re.findall(r"####\\s*(-?\\d+)", solution_str)
+    if not found:
+        return 0.0
+    right = found[-1] == ground_truth
+    return {"score": 1.0 if right else 0.1, "acc": right, "pred": found[-1], "gsm": data_source == "openai/gsm8k"}
+
+def strict(solution_str, ground_truth):
+    return solution_str.strip() == ground_truth
+'''
+
+
+def test_verl_compute_score_files_are_served(tmp_path):
+    """A veRL reward file (custom_reward_function.path, name compute_score) runs unchanged: solution_str
+    is the response text, ground_truth the label, data_source the sample's; a dict answer's "score" is
+    the reward and its other numeric keys become per-sample logs ("pred", a string, is dropped)."""
+    path = write(tmp_path, VERL_FILE)
+    batch = ScoreBatch.from_texts(["q"] * 3, ["so #### 4", "#### 5", "no answer"], ["4", "4", "4"],
+                                  data_sources=["openai/gsm8k", "math", "openai/gsm8k"])
+    out = run(FunctionRewardSource.from_file(path, timeout_s=10, batch_size=2), batch, close=True)
+    np.testing.assert_allclose(out.rewards, [1.0, 0.1, 0.0])
+    # The second call (one sample, a plain number) logs nothing: NaN there, as for any missing log.
+    np.testing.assert_array_equal(out.extra["acc"], [1.0, 0.0, np.nan])
+    np.testing.assert_array_equal(out.extra["gsm"], [1.0, 0.0, np.nan])
+    assert set(out.extra) == {"acc", "gsm"}
+    out = run(FunctionRewardSource.from_file(path, timeout_s=10, batch_size=3), batch, close=True)
+    assert out.extra == {}  # one call; "no answer" returned a number: only keys in every answer of a call stay
+    both = ScoreBatch.from_texts(["q"] * 2, ["#### 4", "#### 5"], ["4", "4"], data_sources=["openai/gsm8k", "x"])
+    out = run(FunctionRewardSource.from_file(path, timeout_s=10), both, close=True)
+    np.testing.assert_allclose(out.rewards, [1.0, 0.1])
+    np.testing.assert_array_equal(out.extra["acc"], [1.0, 0.0])
+    np.testing.assert_array_equal(out.extra["gsm"], [1.0, 0.0])
+    assert "pred" not in out.extra
+    # Another function of the file by name (veRL's custom_reward_function.name), taking fewer arguments.
+    out = run(FunctionRewardSource.from_file(f"{path}:strict", timeout_s=10),
+              ScoreBatch.from_texts(["q"] * 2, [" 7 ", "8"], ["7", "7"]), close=True)
+    np.testing.assert_array_equal(out.rewards, [1.0, 0.0])
+    with pytest.raises(ConfigError, match="my_reward.py defines no function lenient"):
+        FunctionRewardSource.from_file(f"{path}:lenient", timeout_s=10)
+
+
+def test_verl_batch_and_async_compute_score(tmp_path):
+    path = write(tmp_path, "import asyncio\n"
+                           "async def compute_score(data_sources, solution_strs, ground_truths, extra_infos, **kw):\n"
+                           "    await asyncio.sleep(0)\n"
+                           "    return [{'score': float(s == g), 'len': len(s)} for s, g in zip(solution_strs, "
+                           "ground_truths)]\n"
+                           "async def one(data_source, solution_str, ground_truth, extra_info):\n"
+                           "    return {'value': 1} if ground_truth == 'bad' else len(solution_str)\n")
+    out = run(FunctionRewardSource.from_file(path, timeout_s=10),
+              ScoreBatch.from_texts(["q"] * 3, ["a", "bb", "c"], ["a", "b", "c"]), close=True)
+    np.testing.assert_array_equal(out.rewards, [1.0, 0.0, 1.0])
+    np.testing.assert_array_equal(out.extra["len"], [1.0, 2.0, 1.0])
+    source = FunctionRewardSource.from_file(f"{path}:one", timeout_s=10)
+    np.testing.assert_array_equal(run(source, ScoreBatch.from_texts(["q"] * 2, ["abc", ""], ["x", "y"])).rewards,
+                                  [3.0, 0.0])
+    # A dict without "score" fails the request with what to return, never a reward of zero.
+    err = score_error(source, ScoreBatch.from_texts(["q"], ["a"], ["bad"]))
+    assert err.code == grpc.StatusCode.INTERNAL
+    assert "my_reward.py:one answered a dict without 'score' for sample 0" in err.message
+    asyncio.run(source.close())
