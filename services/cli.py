@@ -4,6 +4,7 @@
     rlmesh serve rollout|reward|learner --run_config RUN.yaml [options]
                                      ... with the settings the coordinator would give it for that run
     rlmesh train --config examples/tiny_grpo.yaml                the RL loop (coordinator)
+    rlmesh main_ppo algorithm.adv_estimator=grpo data.train_files=...  the same from veRL's overrides
     rlmesh quickstart                                            the embedded end-to-end default
     rlmesh sft|rm|dpo|eval|plot ...                              offline trainers and tools
     rlmesh scale rollout|reward N --run_dir RUN                  more or fewer instances of a running run
@@ -18,6 +19,7 @@ import sys
 COMMANDS = {
     "quickstart": ("services.quickstart", "main", "build the tiny model and data, then run the embedded default end to end"),
     "train": ("services.coordinator.train", "main", "run PPO / GRPO / RLOO / REINFORCE++ over the services"),
+    "main_ppo": ("services.coordinator.verl_cli", "main", "the same, from veRL's key=value overrides (verl.trainer.main_ppo)"),
     "sft": ("services.learner.train_sft", "main", "supervised fine-tuning"),
     "rm": ("services.learner.train_rm", "main", "reward-model training on preference pairs"),
     "dpo": ("services.learner.train_dpo", "main", "direct preference optimisation"),

@@ -1,0 +1,315 @@
+"""`python -m services.coordinator.main_ppo key=value ...`: the command veRL users know.
+
+veRL's trainer (`python3 -m verl.trainer.main_ppo`) takes Hydra overrides such as
+`algorithm.adv_estimator=grpo data.train_files=train.parquet actor_rollout_ref.rollout.n=5`. This
+entry point reads the same overrides, starts from veRL's defaults where they differ from rlmesh's
+(KL off, dual-clip c = 3, learning rate 1e-6, weight decay 0.01, enforce_eager, 30 epochs, ...),
+and runs the coordinator with the equivalent rlmesh flags, which it logs in full (`verl.translated`)
+so that the run can be repeated with `rlmesh train`. Arguments that start with `--` are rlmesh
+flags and are passed on as they are, after the translated ones (they win).
+
+Sizes follow veRL's meaning: data.train_batch_size counts prompts per step (--rollout_batch_size),
+ppo_mini_batch_size counts prompts per optimizer step (--train_batch_size counts samples, so it is
+multiplied by rollout.n), the *_per_gpu micro batches count samples. The rollout is veRL's hybrid
+engine: every GPU of trainer.nnodes x trainer.n_gpus_per_node holds the learner and a vLLM engine
+of rollout.tensor_model_parallel_size GPUs (--colocate_all_models, sleep between phases).
+
+Keys with no meaning here (FSDP and Megatron internals, padding removal, Ulysses, dynamic batch
+sizes) are listed in a warning and otherwise ignored; a key that would change what is trained and
+that rlmesh cannot honour (another rollout backend or advantage estimator, multi-turn rollouts in
+veRL's format, an unknown KL estimator) is a ConfigError naming it. Without a reward model or a
+custom_reward_function, veRL scores by data_source with its built-in rules; here that is
+`--reward_func math` (math-verify on the final answer, with GSM8K's `#### 42` and \\boxed{}).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Callable
+
+import yaml
+
+from services.common.config import ConfigError
+
+A, R = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout."
+
+# veRL's defaults for the keys translated below (verl/trainer/config/ppo_trainer.yaml).
+DEFAULTS: dict[str, object] = {
+    "data.prompt_key": "prompt", "data.reward_fn_key": "data_source", "data.max_prompt_length": 512,
+    "data.max_response_length": 512, "data.train_batch_size": 1024,
+    A + "ppo_mini_batch_size": 256, A + "grad_clip": 1.0, A + "clip_ratio": 0.2, A + "clip_ratio_c": 3.0,
+    A + "loss_agg_mode": "token-mean", A + "entropy_coeff": 0.0, A + "use_kl_loss": False,
+    A + "kl_loss_coef": 0.001, A + "kl_loss_type": "low_var_kl", A + "ppo_epochs": 1, A + "optim.lr": 1e-6,
+    A + "optim.lr_warmup_steps_ratio": 0.0, A + "optim.warmup_style": "constant", A + "optim.weight_decay": 0.01,
+    R + "name": "vllm", R + "n": 1, R + "temperature": 1.0, R + "top_p": 1.0, R + "top_k": -1,
+    R + "gpu_memory_utilization": 0.5, R + "tensor_model_parallel_size": 2, R + "enforce_eager": True,
+    R + "free_cache_engine": True, R + "val_kwargs.temperature": 0.0, R + "val_kwargs.n": 1,
+    "algorithm.gamma": 1.0, "algorithm.lam": 1.0, "algorithm.adv_estimator": "gae",
+    "algorithm.norm_adv_by_std_in_grpo": True, "algorithm.use_kl_in_reward": False, "algorithm.kl_penalty": "kl",
+    "algorithm.kl_ctrl.type": "fixed", "algorithm.kl_ctrl.kl_coef": 0.001, "algorithm.kl_ctrl.horizon": 10000,
+    "algorithm.kl_ctrl.target_kl": 0.1, "trainer.total_epochs": 30, "trainer.nnodes": 1, "trainer.n_gpus_per_node": 8,
+    "trainer.save_freq": -1, "trainer.test_freq": -1, "trainer.project_name": "verl_examples",
+    "trainer.experiment_name": "gsm8k", "trainer.logger": ["console", "wandb"], "trainer.resume_mode": "auto",
+    "custom_reward_function.name": "compute_score", "reward_model.enable": False,
+}
+
+ADVANTAGE = {"gae": "gae", "grpo": "group_norm", "rloo": "rloo", "reinforce_plus_plus": "reinforce",
+             "reinforce_plus_plus_baseline": "reinforce_baseline"}
+KL = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
+LOSS_AGG = {"token-mean": "token_mean", "seq-mean-token-mean": "seq_mean_token_mean",
+            "seq-mean-token-sum": "seq_mean_token_sum"}
+
+# Keys read by translate(): everything else the user gives is reported as having no effect.
+READ = set(DEFAULTS) | {
+    "data.train_files", "data.val_files", "data.seed", "actor_rollout_ref.model.path",
+    "actor_rollout_ref.model.enable_gradient_checkpointing", "actor_rollout_ref.model.use_remove_padding",
+    "actor_rollout_ref.model.use_liger", A + "ppo_micro_batch_size_per_gpu", A + "clip_ratio_low",
+    A + "clip_ratio_high", A + "strategy", A + "fsdp_config.optimizer_offload", A + "policy_loss.loss_mode",
+    R + "max_num_batched_tokens", R + "max_num_seqs", R + "log_prob_micro_batch_size_per_gpu",
+    R + "multi_turn.enable", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+    "critic.model.path", "critic.optim.lr", "critic.cliprange_value", "reward_model.model.path",
+    "custom_reward_function.path", "algorithm.filter_groups.enable", "algorithm.filter_groups.max_num_gen_batches",
+    "reward_model.overlong_buffer.enable", "reward_model.overlong_buffer.len",
+    "reward_model.overlong_buffer.penalty_factor", "trainer.total_training_steps", "trainer.default_local_dir",
+    "trainer.max_actor_ckpt_to_keep", "ray_init.num_cpus",
+}
+
+
+class VerlKeyIgnored(UserWarning):
+    """veRL keys that have no effect in rlmesh."""
+
+
+def parse_overrides(args: list[str]) -> tuple[dict[str, object], list[str]]:
+    """Hydra overrides (`key=value`, `+key=value`, `++key=value`) -> {key: value}, and the `--` flags."""
+    values: dict[str, object] = {}
+    flags: list[str] = []
+    in_flag = False  # after a --flag, the tokens without "=" are its values
+    for arg in args:
+        if arg.startswith("--") or (in_flag and "=" not in arg):
+            flags.append(arg)
+            in_flag = in_flag or arg.startswith("--")
+            continue
+        in_flag = False
+        key, sep, raw = arg.lstrip("+").partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{arg!r}: expected a veRL override key=value (e.g. data.train_batch_size=256) or an "
+                              "rlmesh --flag")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        values[key.strip()] = raw if value is None and raw not in ("null", "~", "None") else value
+    return values, flags
+
+
+def translate(overrides: dict[str, object]) -> tuple[list[str], list[str]]:
+    """veRL overrides -> (rlmesh coordinator argv, keys given that have no effect here)."""
+    v = {**DEFAULTS, **overrides}
+    get: Callable[[str], object] = lambda key: v.get(key)  # noqa: E731
+    argv: list[str] = []
+
+    def flag(name: str, value=None) -> None:
+        argv.append(f"--{name}")
+        if value is not None:
+            argv.extend(value if isinstance(value, list) else [str(value)])
+
+    def need(key: str) -> object:
+        if v.get(key) in (None, ""):
+            raise ConfigError(f"{key}: required (veRL has no usable default for it); give {key}=...")
+        return v[key]
+
+    def one_of(key: str, table: dict[str, str], what: str) -> str:
+        value = str(get(key))
+        if value not in table:
+            raise ConfigError(f"{key}={value}: rlmesh has no {what} of that name; use one of {sorted(table)}")
+        return table[value]
+
+    def files(key: str) -> str:
+        value = get(key)
+        return ",".join(str(x) for x in value) if isinstance(value, list) else str(value)
+
+    # The data.
+    flag("prompt_data", files("data.train_files") if get("data.train_files") else need("data.train_files"))
+    flag("input_key", get("data.prompt_key"))
+    flag("label_key", "reward_model.ground_truth")
+    flag("apply_chat_template")  # veRL renders the prompt's message list with the model's chat template
+    if get("data.reward_fn_key") not in ("data_source", "datasource"):
+        raise ConfigError(f"data.reward_fn_key={get('data.reward_fn_key')}: rlmesh reads the data source from the "
+                          "data_source column; rename the column")
+    if get("data.val_files"):
+        flag("eval_dataset", files("data.val_files"))
+        flag("eval_temperature", get(R + "val_kwargs.temperature"))
+        flag("eval_n_samples_per_prompt", get(R + "val_kwargs.n"))
+    flag("prompt_max_len", get("data.max_prompt_length"))
+    flag("generate_max_len", get("data.max_response_length"))
+    if get("data.seed") is not None:
+        flag("seed", get("data.seed"))
+
+    # Batch sizes: prompts per step and per optimizer step in veRL, samples in rlmesh.
+    n = int(get(R + "n"))
+    flag("n_samples_per_prompt", n)
+    flag("rollout_batch_size", get("data.train_batch_size"))
+    flag("train_batch_size", int(get(A + "ppo_mini_batch_size")) * n)
+    if get(A + "ppo_micro_batch_size_per_gpu"):
+        flag("micro_train_batch_size", get(A + "ppo_micro_batch_size_per_gpu"))
+    log_prob_micro = get(R + "log_prob_micro_batch_size_per_gpu") or get(
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu")
+    if log_prob_micro:
+        flag("micro_rollout_batch_size", log_prob_micro)
+    flag("max_epochs", get(A + "ppo_epochs"))
+
+    # The model, the learner and the hybrid engine.
+    flag("pretrain", need("actor_rollout_ref.model.path"))
+    strategy = str(get(A + "strategy") or "fsdp")
+    if strategy not in ("fsdp", "fsdp2"):
+        raise ConfigError(f"{A}strategy={strategy}: the rlmesh learner is DeepSpeed ZeRO (FSDP settings map to it); "
+                          "Megatron is not supported")
+    if get("actor_rollout_ref.model.enable_gradient_checkpointing"):
+        flag("gradient_checkpointing")
+    if get("actor_rollout_ref.model.use_remove_padding"):
+        flag("packing_samples")
+    if get("actor_rollout_ref.model.use_liger"):
+        flag("use_liger_kernel")
+    if get(A + "fsdp_config.optimizer_offload"):
+        flag("adam_offload")
+    nodes, gpus = int(get("trainer.nnodes")), int(get("trainer.n_gpus_per_node"))
+    tp = int(get(R + "tensor_model_parallel_size"))
+    if (nodes * gpus) % tp:
+        raise ConfigError(f"{R}tensor_model_parallel_size={tp} does not divide the {nodes * gpus} GPUs of "
+                          "trainer.nnodes x trainer.n_gpus_per_node")
+    flag("actor_num_nodes", nodes)
+    flag("actor_num_gpus_per_node", gpus)
+    flag("vllm_num_engines", nodes * gpus // tp)
+    flag("vllm_tensor_parallel_size", tp)
+    flag("colocate_all_models")
+    flag("vllm_gpu_memory_utilization", get(R + "gpu_memory_utilization"))
+    if get(R + "free_cache_engine"):
+        flag("vllm_enable_sleep")
+    if get(R + "enforce_eager"):
+        flag("enforce_eager")
+    for key, name in (("max_num_batched_tokens", "vllm_max_num_batched_tokens"), ("max_num_seqs", "vllm_max_num_seqs")):
+        if get(R + key):
+            flag(name, get(R + key))
+    flag("rollout_engine", one_of(R + "name", {"vllm": "vllm", "hf": "hf"}, "rollout backend"))
+    if get(R + "multi_turn.enable"):
+        raise ConfigError(f"{R}multi_turn.enable=True: veRL's tool configs do not run here; multi-turn rollouts "
+                          "take an agent file: --agent_func_path FILE.py (OpenRLHF's agent API)")
+    flag("temperature", get(R + "temperature"))
+    flag("top_p", get(R + "top_p"))
+    flag("top_k", get(R + "top_k"))
+
+    # The algorithm.
+    estimator = one_of("algorithm.adv_estimator", ADVANTAGE, "advantage estimator")
+    if estimator == "group_norm" and not get("algorithm.norm_adv_by_std_in_grpo"):
+        estimator = "dr_grpo"
+    flag("advantage_estimator", estimator)
+    flag("gamma", get("algorithm.gamma"))
+    flag("lambd", get("algorithm.lam"))
+    flag("actor_learning_rate", get(A + "optim.lr"))
+    flag("lr_warmup_ratio", get(A + "optim.lr_warmup_steps_ratio"))
+    flag("lr_scheduler", one_of(A + "optim.warmup_style", {"constant": "constant_with_warmup",
+                                                           "cosine": "cosine_with_min_lr"}, "learning-rate schedule"))
+    flag("l2", get(A + "optim.weight_decay"))
+    flag("max_norm", get(A + "grad_clip"))
+    low, high = get(A + "clip_ratio_low"), get(A + "clip_ratio_high")
+    if low is not None or high is not None:
+        flag("eps_clip_low_high", [str(low if low is not None else get(A + "clip_ratio")),
+                                   str(high if high is not None else get(A + "clip_ratio"))])
+    else:
+        flag("eps_clip", get(A + "clip_ratio"))
+    flag("dual_clip", get(A + "clip_ratio_c"))
+    flag("loss_agg_mode", one_of(A + "loss_agg_mode", LOSS_AGG, "loss aggregation"))
+    flag("entropy_loss_coef", get(A + "entropy_coeff"))
+    if str(get(A + "policy_loss.loss_mode") or "vanilla") not in ("vanilla", "gspo"):
+        raise ConfigError(f"{A}policy_loss.loss_mode={get(A + 'policy_loss.loss_mode')}: rlmesh has the vanilla "
+                          "(PPO) and gspo losses")
+    if get(A + "policy_loss.loss_mode") == "gspo":
+        flag("policy_loss_type", "gspo")
+    in_loss, in_reward = bool(get(A + "use_kl_loss")), bool(get("algorithm.use_kl_in_reward"))
+    if in_loss and in_reward:
+        raise ConfigError(f"{A}use_kl_loss and algorithm.use_kl_in_reward are both on; rlmesh applies the KL one "
+                          "way: choose one")
+    if in_loss:
+        flag("use_kl_loss")
+        flag("init_kl_coef", get(A + "kl_loss_coef"))
+        flag("kl_estimator", one_of(A + "kl_loss_type", KL, "KL estimator"))
+    elif in_reward:
+        flag("init_kl_coef", get("algorithm.kl_ctrl.kl_coef"))
+        flag("kl_estimator", one_of("algorithm.kl_penalty", KL, "KL estimator"))
+        if get("algorithm.kl_ctrl.type") == "adaptive":
+            flag("kl_target", get("algorithm.kl_ctrl.target_kl"))
+            flag("kl_horizon", get("algorithm.kl_ctrl.horizon"))
+    else:
+        flag("init_kl_coef", 0)  # veRL's default: no KL, no reference model
+    if get("algorithm.filter_groups.enable"):
+        flag("dynamic_filtering")
+        if get("algorithm.filter_groups.max_num_gen_batches"):
+            flag("dynamic_filtering_max_rounds", get("algorithm.filter_groups.max_num_gen_batches"))
+    if get("reward_model.overlong_buffer.enable"):
+        flag("overlong_buffer_len", get("reward_model.overlong_buffer.len"))
+        flag("overlong_penalty_factor", get("reward_model.overlong_buffer.penalty_factor") or 1.0)
+
+    # The critic (gae) and the reward.
+    if get("critic.model.path"):
+        flag("critic_pretrain", get("critic.model.path"))
+    if get("critic.optim.lr") is not None:
+        flag("critic_learning_rate", get("critic.optim.lr"))
+    if get("critic.cliprange_value") is not None:
+        flag("value_clip", get("critic.cliprange_value"))
+    if get("reward_model.enable"):
+        flag("reward_pretrain", need("reward_model.model.path"))
+    elif get("custom_reward_function.path"):
+        flag("remote_rm_url", f"{get('custom_reward_function.path')}:{get('custom_reward_function.name')}")
+    else:
+        flag("reward_func", "math")  # veRL's default_compute_score checks math answers by data source
+
+    # The trainer.
+    flag("num_episodes", get("trainer.total_epochs"))
+    if get("trainer.total_training_steps"):
+        flag("max_steps", get("trainer.total_training_steps"))
+    flag("save_steps", get("trainer.save_freq"))
+    flag("eval_steps", get("trainer.test_freq"))
+    local_dir = get("trainer.default_local_dir") or (
+        f"checkpoints/{get('trainer.project_name')}/{get('trainer.experiment_name')}")
+    flag("ckpt_path", local_dir)
+    flag("save_path", f"{local_dir}/final")
+    if get("trainer.max_actor_ckpt_to_keep"):
+        flag("max_ckpt_num", get("trainer.max_actor_ckpt_to_keep"))
+    if str(get("trainer.resume_mode")) == "auto":
+        flag("load_checkpoint")
+    elif str(get("trainer.resume_mode")) not in ("disable", "False"):
+        raise ConfigError(f"trainer.resume_mode={get('trainer.resume_mode')}: use auto (the latest checkpoint under "
+                          "trainer.default_local_dir) or disable")
+    loggers = get("trainer.logger")
+    loggers = [loggers] if isinstance(loggers, str) else list(loggers or [])
+    flag("wandb_project", get("trainer.project_name"))
+    flag("wandb_run_name", get("trainer.experiment_name"))
+    if "wandb" in loggers:
+        flag("use_wandb", "True")
+    if "tensorboard" in loggers:
+        flag("use_tensorboard", f"{local_dir}/tensorboard")
+    if get("ray_init.num_cpus"):
+        flag("ray_num_cpus", get("ray_init.num_cpus"))
+    ignored = sorted(k for k in overrides if k not in READ)
+    return argv, ignored
+
+
+def main(argv: list[str] | None = None) -> int:
+    from services.coordinator import train
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    try:
+        overrides, flags = parse_overrides(args)
+        translated, ignored = translate(overrides)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    if ignored:
+        warnings.warn(f"veRL keys with no effect in rlmesh (ignored): {', '.join(ignored)}", VerlKeyIgnored,
+                      stacklevel=1)
+    print("verl.translated rlmesh train " + " ".join(translated + flags), file=sys.stderr, flush=True)
+    return train.main(translated + flags)

@@ -1,0 +1,139 @@
+"""veRL's command (`python3 -m verl.trainer.main_ppo key=value ...`) as `python -m
+services.coordinator.main_ppo`: the overrides a veRL GRPO user runs become the equivalent rlmesh
+configuration, and a run on veRL-format data with a veRL reward file trains."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pyarrow as pa
+import pyarrow.parquet
+import pytest
+
+from services.common.config import ConfigError, parse_config
+from services.coordinator.config import CoordinatorConfig
+from services.coordinator.verl_cli import parse_overrides, translate
+from tests.coordinator.conftest import finish, read_metrics, start_coordinator
+
+
+def verl_parquet(tiny_data_dir: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+    """The tiny arithmetic prompts in the layout of veRL's preprocessed GSM8K parquet files."""
+    rows = [json.loads(line) for line in (tiny_data_dir / "arith_train.jsonl").read_text().splitlines()]
+    table = [{"data_source": "arith", "prompt": [{"role": "user", "content": r["prompt"]}], "ability": "math",
+              "reward_model": {"style": "rule", "ground_truth": str(r["label"])},
+              "extra_info": {"split": "train", "index": i}} for i, r in enumerate(rows)]
+    pyarrow.parquet.write_table(pa.Table.from_pylist(table), out)
+    return out
+
+
+def config_of(args: list[str]) -> tuple[CoordinatorConfig, list[str], str]:
+    """(the configuration, the keys without effect, the translated command line)."""
+    overrides, flags = parse_overrides(args)
+    argv, ignored = translate(overrides)
+    with pytest.warns():  # GPU-only flags (colocation, sleep) on this CPU machine
+        return parse_config(CoordinatorConfig, argv + flags), ignored, " ".join(argv + flags)
+
+
+def test_a_verl_grpo_command_becomes_the_same_rlmesh_run(tiny_model_dir, tiny_data_dir, tmp_path):
+    train = verl_parquet(tiny_data_dir, tmp_path / "train.parquet")
+    cfg, ignored, line = config_of([
+        "algorithm.adv_estimator=grpo", f"data.train_files={train}", f"data.val_files=[{train}]",
+        "data.train_batch_size=64", "data.max_prompt_length=128", "data.max_response_length=256",
+        "data.filter_overlong_prompts=True", "data.truncation=error", f"actor_rollout_ref.model.path={tiny_model_dir}",
+        "actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.model.use_remove_padding=True",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.001",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.6", "actor_rollout_ref.rollout.n=5",
+        "algorithm.use_kl_in_reward=False", "trainer.critic_warmup=0", "trainer.logger=['console']",
+        "trainer.project_name=verl_grpo_example_gsm8k", "trainer.experiment_name=qwen_function_rm",
+        "trainer.n_gpus_per_node=4", "trainer.nnodes=1", "trainer.save_freq=20", "trainer.test_freq=5",
+        "trainer.total_epochs=15", f"trainer.default_local_dir={tmp_path / 'ckpt'}",
+        "--placement", "local"])
+    assert (cfg.prompt_data, cfg.input_key, cfg.label_key, cfg.apply_chat_template) == (
+        str(train), "prompt", "reward_model.ground_truth", True)
+    assert cfg.eval_dataset == str(train) and cfg.eval_steps == 5
+    assert (cfg.advantage_estimator, cfg.n_samples_per_prompt) == ("group_norm", 5)
+    # Prompts per step and per optimizer step in veRL; samples in rlmesh.
+    assert (cfg.rollout_batch_size, cfg.train_batch_size, cfg.micro_train_batch_size,
+            cfg.micro_rollout_batch_size) == (64, 80, 4, 8)
+    assert (cfg.prompt_max_len, cfg.generate_max_len) == (128, 256)
+    assert (cfg.use_kl_loss, cfg.init_kl_coef, cfg.kl_estimator) == (True, 0.001, "k3")
+    assert (cfg.actor_learning_rate, cfg.l2, cfg.max_norm, cfg.eps_clip, cfg.dual_clip) == (1e-6, 0.01, 1.0, 0.2, 3.0)
+    assert (cfg.lr_scheduler, cfg.lr_warmup_ratio, cfg.entropy_loss_coef) == ("constant_with_warmup", 0.0, 0.0)
+    assert (cfg.packing_samples, cfg.gradient_checkpointing) == (True, True)
+    # The hybrid engine: learner and engines on the same 4 GPUs, two engines of 2.
+    assert (cfg.actor_num_gpus_per_node, cfg.vllm_num_engines, cfg.vllm_tensor_parallel_size) == (4, 2, 2)
+    assert cfg.colocate_all_models and cfg.vllm_enable_sleep and cfg.enforce_eager
+    assert "--vllm_gpu_memory_utilization 0.6" in line and cfg.rollout_engine == "vllm"  # CPU here: 0.1 in cfg
+    assert (cfg.num_episodes, cfg.save_steps, cfg.load_checkpoint) == (15, 20, True)
+    assert cfg.ckpt_path == str(tmp_path / "ckpt") and cfg.wandb_project == "verl_grpo_example_gsm8k"
+    assert cfg.reward_func == "math" and not cfg.use_wandb
+    assert ignored == ["actor_rollout_ref.actor.fsdp_config.param_offload", "data.filter_overlong_prompts",
+                       "data.truncation", "trainer.critic_warmup"]
+    # veRL's defaults where rlmesh's differ: no KL at all unless asked, and the rest as veRL has it.
+    cfg, _, _ = config_of([f"data.train_files={train}", f"actor_rollout_ref.model.path={tiny_model_dir}",
+                        "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+                        "trainer.logger=console", "algorithm.norm_adv_by_std_in_grpo=False",
+                        "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4",
+                           "actor_rollout_ref.actor.clip_ratio_high=0.28",
+                        "custom_reward_function.path=r.py", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum"])
+    assert (cfg.init_kl_coef, cfg.use_kl_loss, cfg.advantage_estimator) == (0.0, False, "dr_grpo")
+    assert cfg.eps_clip_low_high == [0.2, 0.28] and cfg.loss_agg_mode == "seq_mean_token_sum"
+    assert cfg.remote_rm_url.endswith("/r.py:compute_score") and cfg.rollout_batch_size == 1024
+
+
+@pytest.mark.parametrize("args, words", [
+    (["algorithm.adv_estimator=remax"], "algorithm.adv_estimator=remax: rlmesh has no advantage estimator"),
+    (["actor_rollout_ref.rollout.name=sglang"], "rollout backend of that name"),
+    (["actor_rollout_ref.actor.strategy=megatron"], "Megatron is not supported"),
+    (["actor_rollout_ref.actor.use_kl_loss=True", "algorithm.use_kl_in_reward=True"], "choose one"),
+    (["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_type=full"], "KL estimator"),
+    (["actor_rollout_ref.rollout.multi_turn.enable=True"], "--agent_func_path"),
+    (["trainer.n_gpus_per_node=3"], "does not divide the 3 GPUs"),
+    (["data.train_batch_size"], "expected a veRL override key=value"),
+])
+def test_what_cannot_run_here_is_named(args, words):
+    with pytest.raises(ConfigError, match=None) as err:
+        overrides, _ = parse_overrides(["data.train_files=t.parquet", "actor_rollout_ref.model.path=m", *args])
+        translate(overrides)
+    assert words in str(err.value)
+    with pytest.raises(ConfigError, match="data.train_files: required"):
+        translate(parse_overrides(["actor_rollout_ref.model.path=m"])[0])
+
+
+VERL_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    with open({calls!r}, "a") as f:
+        f.write(repr((data_source, ground_truth)) + "\\n")
+    return {{"score": float(ground_truth in solution_str), "has_digit": any(c.isdigit() for c in solution_str)}}
+'''
+
+
+def test_a_verl_command_trains_on_verl_data_with_a_verl_reward_file(tiny_model_dir, tiny_data_dir, tmp_path):
+    train = verl_parquet(tiny_data_dir, tmp_path / "train.parquet")
+    reward = tmp_path / "my_reward.py"
+    reward.write_text(VERL_REWARD.format(calls=str(tmp_path / "calls.txt")))
+    argv = ["algorithm.adv_estimator=grpo", f"data.train_files={train}", "data.train_batch_size=4",
+            "data.max_prompt_length=64", "data.max_response_length=16", f"actor_rollout_ref.model.path={tiny_model_dir}",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+            "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.name=hf",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "trainer.n_gpus_per_node=1",
+            f"custom_reward_function.path={reward}", "trainer.logger=['console']", "trainer.total_training_steps=1",
+            f"trainer.default_local_dir={tmp_path / 'ckpt'}", "--run_dir", str(tmp_path / "run")]
+    log = tmp_path / "coordinator.log"
+    proc = start_coordinator("services.coordinator.main_ppo", argv, log)
+    output = finish(proc, log, timeout_s=420)
+    assert proc.returncode == 0, output[-6000:]
+    assert "verl.translated rlmesh train --prompt_data" in output
+    [metrics] = read_metrics(tmp_path / "run")
+    assert metrics["samples/trained"] == 16 and "reward/has_digit" in metrics
+    calls = [eval(line) for line in (tmp_path / "calls.txt").read_text().splitlines()]  # noqa: S307 - our own file
+    labels = {str(json.loads(line)["label"]) for line in (tiny_data_dir / "arith_train.jsonl").read_text().splitlines()}
+    assert len(calls) == 16 and all(source == "arith" and truth in labels for source, truth in calls)
+    assert (tmp_path / "ckpt" / "final").is_dir()  # the final model, under trainer.default_local_dir
