@@ -18,7 +18,10 @@ driver dies, Ray kills its actors and the children follow (they get SIGTERM when
 Supervision (supervisor.py) asks each actor whether its child still runs. A dead child is started
 again by its actor; a dead actor (its child gets SIGTERM) is replaced by a new one on the same
 bundle. An instance added while the run goes on gets a placement group of its own, which goes with
-it when it is removed; one of the run's first instances leaves its bundle reserved until the end.
+it when it is removed. One of the run's first instances shares its placement group with the others
+(Ray frees a group only whole): when it is removed its bundles stay reserved, and the next instance
+added with the same roles takes them instead of asking the cluster for more (a full cluster can
+scale down and up again).
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ class RayPlacement:
         self.cfg, self.run_dir, self.total_steps = cfg, run_dir, total_steps
         self.groups: list = []
         self.placed: list[Placed] = []
+        self.vacated: list[Placed] = []  # removed instances whose bundles stay reserved in a shared group
         self.started_ray = False
         self.learner_host: Placed | None = None
 
@@ -315,6 +319,9 @@ class RayPlacement:
         """One more rollout or reward instance on a placement group of its own; (name, roles, address)."""
         cfg = self.cfg
         spec = scaled_spec(cfg, role, [p.spec.name for p in self.placed])
+        vacated = next((v for v in self.vacated if v.spec.roles == spec.roles), None)
+        if vacated is not None:
+            return await self._add_on_vacated(spec, vacated)
         gpus = (cfg.vllm_tensor_parallel_size if role == "rollout" else 1) if cfg.on_gpu else 0
         bundles = ([{"GPU": 1, "CPU": cfg.ray_cpus_per_service} for _ in range(gpus)] if gpus
                    else [{"CPU": cfg.ray_cpus_per_service}])
@@ -335,6 +342,27 @@ class RayPlacement:
             p.spec.env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
         self.placed.append(p)
         await self._start_one(p, wait=True)
+        return spec.name, spec.roles, p.address
+
+    async def _add_on_vacated(self, spec: ServiceSpec, vacated: Placed) -> tuple[str, tuple[str, ...], str]:
+        """The new instance takes the bundles (and GPU share, and devices) a removed one left reserved."""
+        self.vacated.remove(vacated)
+        p = Placed(spec, vacated.bundles, share=vacated.share)
+        for key in ("CUDA_VISIBLE_DEVICES", "VLLM_CPU_KVCACHE_SPACE"):
+            if key in vacated.spec.env:
+                p.spec.env[key] = vacated.spec.env[key]
+        self._make_actor(p)
+        self.placed.append(p)
+        log_event(_log, "ray.bundle_reused", service=spec.name, bundle_of=vacated.spec.name,
+                  bundles=",".join(f"{g.id.hex()[:12]}:{i}" for g, i in p.bundles))
+        try:
+            await self._start_one(p, wait=True)
+        except BaseException:
+            # It never served: its bundles go back to the reserve for the next attempt.
+            self.placed.remove(p)
+            ray.kill(p.actor)
+            self.vacated.append(vacated)
+            raise
         return spec.name, spec.roles, p.address
 
     async def _probe_gpus_of(self, p: Placed) -> list[str]:
@@ -360,6 +388,9 @@ class RayPlacement:
         if not any(g is group for q in self.placed for g, _ in q.bundles):
             self.groups.remove(group)
             remove_placement_group(group)
+        else:  # a group shared with other instances stays whole: the next add of these roles takes the bundles
+            self.vacated.append(p)
+            log_event(_log, "ray.bundle_vacated", service=name, roles=",".join(p.spec.roles))
 
     async def _start_one(self, p: Placed, wait: bool, env: dict | None = None) -> None:
         try:

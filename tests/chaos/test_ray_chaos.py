@@ -12,6 +12,9 @@ instance of the run's own), real service processes, real `kill -9`, never a mock
    learner restart (`Scale reward 1`).
 3. The learner's service process is killed while step 3 trains: its actor (alive) starts it again,
    it loads the newest checkpoint and the step is done again.
+4. Paused there, `Scale rollout 1` removes rollout-1, one of the run's first instances, whose bundle
+   stays reserved in the placement group it shares; `Scale rollout 2` starts the new engine on that
+   bundle (no new placement group), which is admitted and generates the last step.
 
 The run ends with the steps and per-step sample counts of a run without faults; events.jsonl records
 the deaths, restarts, admissions, additions and removals, the Prometheus counters the deaths and
@@ -162,6 +165,14 @@ def test_ray_kills_restarts_and_scaling(tiny_model_dir, tiny_data_dir, tmp_path,
             # Stopped before the run goes on: the step left may be its last.
             _wait(stub, lambda s: "service.removed" in _events_text(run_dir, "reward-ref-1"), proc, 120,
                   "reward-ref-1 removed")
+            # 4. Below the first instances and back: rollout-1 leaves its bundle reserved in the run's
+            # shared placement group, and the engine added next takes it instead of a new group.
+            reply = stub.Scale(pb.ScaleRequest(role="rollout", replicas=1), timeout=60)
+            assert len(reply.removed) == 1 and len(reply.addresses) == 1
+            _wait(stub, lambda s: "service.removed" in _events_text(run_dir, "rollout-1"), proc, 120,
+                  "rollout-1 removed")
+            reply = stub.Scale(pb.ScaleRequest(role="rollout", replicas=2), timeout=300)
+            assert len(reply.added) == 1 and len(reply.addresses) == 2
             stub.Resume(pb.ResumeRequest(), timeout=30)
         proc.wait(300)
     finally:
@@ -187,15 +198,19 @@ def test_ray_kills_restarts_and_scaling(tiny_model_dir, tiny_data_dir, tmp_path,
     assert how["learner"] == "learner exit code -9", how
     assert "rollout-0 exit code -9" in how["rollout-0"] or "Ray actor died" in how["rollout-0"], how
     assert "ray.actor_replaced service=rollout-0" in output
-    admitted = {e["service"]: e["version"] for e in of("rollout.admitted")}
-    assert admitted == {"rollout-0": 1, "rollout-2": 1}, events
-    assert [e["service"] for e in of("service.added")] == ["rollout-2", "reward-ref-1"]
-    assert sorted(e["service"] for e in of("service.draining")) == ["reward-ref-1", "rollout-2"]
+    admitted = [(e["service"], e["version"]) for e in of("rollout.admitted")]
+    assert sorted(admitted[:2]) == [("rollout-0", 1), ("rollout-2", 1)], events
+    assert [name for name, _ in admitted[2:]] == ["rollout-1"] and admitted[2][1] > 1, events
+    assert [e["service"] for e in of("service.added")] == ["rollout-2", "reward-ref-1", "rollout-1"]
+    assert sorted(e["service"] for e in of("service.draining")) == ["reward-ref-1", "rollout-1", "rollout-2"]
+    # Added instances' groups went with them; the first instances' group was kept and reused.
+    assert "ray.bundle_vacated service=rollout-1 " in output and "ray.bundle_vacated service=rollout-2" not in output
+    assert "ray.bundle_reused service=rollout-1 bundle_of=rollout-1 " in output
     drained_with = next(e["in_flight"] for e in of("service.draining") if e["service"] == "rollout-2")
     print(f"rollout-2 drained with {drained_with} samples in flight; the learner was "
           f"killed during step {killed_after + 1}; reward-ref-1 scored "
           f"{(run_dir / 'logs' / 'reward-ref-1.log').read_text().count('score.done')} batches")
-    assert sorted(e["service"] for e in of("service.removed")) == ["reward-ref-1", "rollout-2"]
+    assert sorted(e["service"] for e in of("service.removed")) == ["reward-ref-1", "rollout-1", "rollout-2"]
     # With a checkpoint every step, back to the last completed step: only the step under way is redone.
     rewound = [(e["from_step"], e["to_step"]) for e in of("learner.rewound")]
     assert rewound == [(killed_after, killed_after)], events
@@ -213,6 +228,10 @@ def test_ray_kills_restarts_and_scaling(tiny_model_dir, tiny_data_dir, tmp_path,
         first_update, first_generate = log.find("weights.update.done"), log.find("generate.start")
         assert 0 <= first_update < first_generate, log[-3000:]
         assert f"version=1 checksum={checksum}" in log[first_update:first_generate]
+    # The engine on the reused bundle took the weights of its admission, then generated the last step.
+    readded = _since_last_start((logs / "rollout-1.log").read_text())
+    first_update, first_generate = readded.find("weights.update.done"), readded.find("generate.start")
+    assert 0 <= first_update < first_generate and f"version={admitted[2][1]} " in readded[first_update:first_generate]
     # The drained engine answered every Generate it had started, then its actor stopped it.
     assert not re.search(r"rollout.engine_failed request_id=\S+ engine=2 ", output)
     drained = (logs / "rollout-2.log").read_text()
