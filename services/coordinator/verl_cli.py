@@ -19,7 +19,9 @@ sizes) are listed in a warning and otherwise ignored; a key that would change wh
 that rlmesh cannot honour (another rollout backend or advantage estimator, multi-turn rollouts in
 veRL's format, an unknown KL estimator) is a ConfigError naming it. Without a reward model or a
 custom_reward_function, veRL scores by data_source with its built-in rules; here that is
-`--reward_func math` (math-verify on the final answer, with GSM8K's `#### 42` and \\boxed{}).
+`--reward_func math` (math-verify on the final answer: \\boxed{}, "the answer is", else the last
+number, which reads GSM8K's `#### 42`). The label is the row's reward_model.ground_truth, except
+with a reward model, which needs none.
 """
 
 from __future__ import annotations
@@ -132,7 +134,9 @@ def translate(overrides: dict[str, object]) -> tuple[list[str], list[str]]:
     # The data.
     flag("prompt_data", files("data.train_files") if get("data.train_files") else need("data.train_files"))
     flag("input_key", get("data.prompt_key"))
-    flag("label_key", "reward_model.ground_truth")
+    # veRL's rule rewards and reward files get reward_model.ground_truth; a reward model needs no label
+    # (and veRL's datasets for one may not carry a ground truth).
+    flag("label_key", "" if get("reward_model.enable") else "reward_model.ground_truth")
     flag("apply_chat_template")  # veRL renders the prompt's message list with the model's chat template
     if get("data.reward_fn_key") not in ("data_source", "datasource"):
         raise ConfigError(f"data.reward_fn_key={get('data.reward_fn_key')}: rlmesh reads the data source from the "

@@ -35,7 +35,8 @@ def config_of(args: list[str]) -> tuple[CoordinatorConfig, list[str], str]:
         return parse_config(CoordinatorConfig, argv + flags), ignored, " ".join(argv + flags)
 
 
-def test_a_verl_grpo_command_becomes_the_same_rlmesh_run(tiny_model_dir, tiny_data_dir, tmp_path):
+def test_a_verl_grpo_command_becomes_the_same_rlmesh_run(tiny_model_dir, tiny_reward_model_dir, tiny_data_dir,
+                                                         tmp_path):
     train = verl_parquet(tiny_data_dir, tmp_path / "train.parquet")
     cfg, ignored, line = config_of([
         "algorithm.adv_estimator=grpo", f"data.train_files={train}", f"data.val_files=[{train}]",
@@ -86,6 +87,13 @@ def test_a_verl_grpo_command_becomes_the_same_rlmesh_run(tiny_model_dir, tiny_da
     assert (cfg.init_kl_coef, cfg.use_kl_loss, cfg.advantage_estimator) == (0.0, False, "dr_grpo")
     assert cfg.eps_clip_low_high == [0.2, 0.28] and cfg.loss_agg_mode == "seq_mean_token_sum"
     assert cfg.remote_rm_url.endswith("/r.py:compute_score") and cfg.rollout_batch_size == 1024
+    assert cfg.label_key == "reward_model.ground_truth"
+    # A reward model scores instead; it needs no ground truth.
+    cfg, _, _ = config_of([f"data.train_files={train}", f"actor_rollout_ref.model.path={tiny_model_dir}",
+                           "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+                           "trainer.logger=console", "reward_model.enable=True",
+                           f"reward_model.model.path={tiny_reward_model_dir}"])
+    assert (cfg.reward_pretrain, cfg.label_key, cfg.reward_func) == (str(tiny_reward_model_dir), "", "")
 
 
 @pytest.mark.parametrize("args, words", [
