@@ -107,7 +107,8 @@ def parse_overrides(args: list[str]) -> tuple[dict[str, object], list[str]]:
 
 def translate(overrides: dict[str, object]) -> tuple[list[str], list[str]]:
     """veRL overrides -> (rlmesh coordinator argv, keys given that have no effect here)."""
-    v = {**DEFAULTS, **overrides}
+    # key=null on a key with a default means the default (veRL reads null as "not set" there).
+    v = {**DEFAULTS, **{k: x for k, x in overrides.items() if x is not None or k not in DEFAULTS}}
     get: Callable[[str], object] = lambda key: v.get(key)  # noqa: E731
     argv: list[str] = []
 

@@ -83,9 +83,11 @@ def test_a_verl_grpo_command_becomes_the_same_rlmesh_run(tiny_model_dir, tiny_re
                         "trainer.logger=console", "algorithm.norm_adv_by_std_in_grpo=False",
                         "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4",
                            "actor_rollout_ref.actor.clip_ratio_high=0.28",
-                        "custom_reward_function.path=r.py", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum"])
+                        "custom_reward_function.path=r.py", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum",
+                        "actor_rollout_ref.rollout.top_k=null", "trainer.total_training_steps=null"])
     assert (cfg.init_kl_coef, cfg.use_kl_loss, cfg.advantage_estimator) == (0.0, False, "dr_grpo")
     assert cfg.eps_clip_low_high == [0.2, 0.28] and cfg.loss_agg_mode == "seq_mean_token_sum"
+    assert (cfg.top_k, cfg.max_steps) == (-1, 0)  # null: veRL's default, and no step limit
     assert cfg.remote_rm_url.endswith("/r.py:compute_score") and cfg.rollout_batch_size == 1024
     assert cfg.label_key == "reward_model.ground_truth"
     # A reward model scores instead; it needs no ground truth.
