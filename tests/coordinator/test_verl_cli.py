@@ -78,23 +78,20 @@ def test_a_verl_grpo_command_becomes_the_same_rlmesh_run(tiny_model_dir, tiny_re
     assert ignored == ["actor_rollout_ref.actor.fsdp_config.param_offload", "data.filter_overlong_prompts",
                        "data.truncation", "trainer.critic_warmup"]
     # veRL's defaults where rlmesh's differ: no KL at all unless asked, and the rest as veRL has it.
-    cfg, _, _ = config_of([f"data.train_files={train}", f"actor_rollout_ref.model.path={tiny_model_dir}",
-                        "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-                        "trainer.logger=console", "algorithm.norm_adv_by_std_in_grpo=False",
-                        "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4",
-                           "actor_rollout_ref.actor.clip_ratio_high=0.28",
-                        "custom_reward_function.path=r.py", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum",
-                        "actor_rollout_ref.rollout.top_k=null", "trainer.total_training_steps=null"])
+    one_cpu = [f"data.train_files={train}", f"actor_rollout_ref.model.path={tiny_model_dir}", "trainer.n_gpus_per_node=1",
+               "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "trainer.logger=console"]
+    cfg, _, _ = config_of([*one_cpu, "algorithm.norm_adv_by_std_in_grpo=False", "algorithm.adv_estimator=grpo",
+                           "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.clip_ratio_high=0.28",
+                           "custom_reward_function.path=r.py",
+                           "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum",
+                           "actor_rollout_ref.rollout.top_k=null", "trainer.total_training_steps=null"])
     assert (cfg.init_kl_coef, cfg.use_kl_loss, cfg.advantage_estimator) == (0.0, False, "dr_grpo")
     assert cfg.eps_clip_low_high == [0.2, 0.28] and cfg.loss_agg_mode == "seq_mean_token_sum"
     assert (cfg.top_k, cfg.max_steps) == (-1, 0)  # null: veRL's default, and no step limit
     assert cfg.remote_rm_url.endswith("/r.py:compute_score") and cfg.rollout_batch_size == 1024
     assert cfg.label_key == "reward_model.ground_truth"
     # A reward model scores instead; it needs no ground truth.
-    cfg, _, _ = config_of([f"data.train_files={train}", f"actor_rollout_ref.model.path={tiny_model_dir}",
-                           "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-                           "trainer.logger=console", "reward_model.enable=True",
-                           f"reward_model.model.path={tiny_reward_model_dir}"])
+    cfg, _, _ = config_of([*one_cpu, "reward_model.enable=True", f"reward_model.model.path={tiny_reward_model_dir}"])
     assert (cfg.reward_pretrain, cfg.label_key, cfg.reward_func) == (str(tiny_reward_model_dir), "", "")
 
 
