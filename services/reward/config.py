@@ -125,8 +125,9 @@ class RewardConfig(ServerConfig):
 
     def _parse_remote(self) -> None:
         entries = [u.strip() for u in self.remote_rm_url.split(",") if u.strip()]
-        if len(entries) == 1 and split_file_target(entries[0])[0].endswith(".py"):
-            if not pathlib.Path(split_file_target(entries[0])[0]).is_file():
+        file = split_file_target(entries[0])[0] if len(entries) == 1 else ""
+        if file.endswith(".py"):
+            if not pathlib.Path(file).is_file():
                 raise ConfigError(f"--remote_rm_url {entries[0]}: no such reward function file")
             self.remote_kind, self.remote_urls = "function", entries
             return

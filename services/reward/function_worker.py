@@ -3,8 +3,8 @@
     python -m services.reward.function_worker READ_FD WRITE_FD
 
 A worker is a fresh interpreter that imports only this module (and verl_convention.py) and the
-reward function: from its file, or by module and name for a function handed over in Python. It answers calls over two pipes,
-each in its main thread, so that code which times out with SIGALRM (math-verify,
+reward function: from its file, or by module and name for a function handed over in Python. It
+answers calls over two pipes, each in its main thread, so that code which times out with SIGALRM (math-verify,
 timeout_decorator, ...) works as it does in a script. Results travel back as plain Python (tensors
 and arrays become lists), so the parent never depends on what the user's code imported. This
 module imports nothing heavy, and the service's own modules are not imported again: a worker
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import inspect
 import os
 import pathlib
 import runpy
@@ -83,10 +82,7 @@ def load_reward_func(target: str) -> Callable:
 
 def optional_arguments(func: Callable) -> list[str]:
     """Which of responses / sample_ids / data_sources the function takes (all of them with **kwargs)."""
-    params = inspect.signature(func).parameters.values()
-    takes_all = any(p.kind == p.VAR_KEYWORD for p in params)
-    names = {p.name for p in params}
-    return [a for a in OPTIONAL_ARGUMENTS if takes_all or a in names]
+    return verl_convention.accepted(func, OPTIONAL_ARGUMENTS)
 
 
 def plain(value):

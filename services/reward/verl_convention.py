@@ -46,21 +46,17 @@ def convention(func: Callable) -> str:
     return "openrlhf"
 
 
-def _call_arguments(func: Callable, names: tuple[str, ...], values: tuple) -> dict:
-    """The keyword arguments veRL passes, less those the function does not take (unless **kwargs)."""
+def accepted(func: Callable, names: tuple[str, ...]) -> list[str]:
+    """Those of `names` that func takes as keyword arguments (all of them with **kwargs)."""
     params = inspect.signature(func).parameters
     takes_all = any(p.kind == p.VAR_KEYWORD for p in params.values())
-    return {n: v for n, v in zip(names, values) if takes_all or n in params}
+    return [n for n in names if takes_all or n in params]
 
 
 def _number(value) -> float | None:
     if hasattr(value, "item") and callable(value.item):  # a numpy or torch scalar
         value = value.item()
-    if isinstance(value, bool):
-        return float(value)
-    if isinstance(value, (int, float)):
-        return float(value)
-    return None
+    return float(value) if isinstance(value, (int, float)) else None  # bool is an int
 
 
 def _answers_to_payload(answers: list, origin: str) -> dict:
@@ -92,20 +88,25 @@ def as_batch_reward_func(func: Callable, origin: str) -> Callable:
     if form == "openrlhf":
         raise ValueError(f"{origin} takes neither solution_str nor solution_strs: not veRL's compute_score")
     is_async = inspect.iscoroutinefunction(func)
+    takes = set(accepted(func, BATCH if form == "verl_batch" else PER_SAMPLE))  # once, not per call
+
+    def arguments(names: tuple[str, ...], values: tuple) -> dict:
+        """The keyword arguments veRL passes, less those the function does not take."""
+        return {n: v for n, v in zip(names, values) if n in takes}
 
     def reward_func(queries, prompts, labels, responses=None, data_sources=None):
         n = len(queries)
         responses = list(responses) if responses is not None else [""] * n
         sources = list(data_sources) if data_sources is not None else [""] * n
         if form == "verl_batch":
-            kwargs = _call_arguments(func, BATCH, (sources, responses, list(labels), [{} for _ in range(n)]))
+            kwargs = arguments(BATCH, (sources, responses, list(labels), [{} for _ in range(n)]))
             answers = asyncio.run(func(**kwargs)) if is_async else func(**kwargs)
             if isinstance(answers, (str, bytes)) or not hasattr(answers, "__len__") or len(answers) != n:
                 raise ValueError(f"{origin} answered {type(answers).__name__} for {n} samples; return one number or "
                                  "dict per sample")
             answers = list(answers)
         else:
-            calls = [_call_arguments(func, PER_SAMPLE, (s, r, g, {})) for s, r, g in zip(sources, responses, labels)]
+            calls = [arguments(PER_SAMPLE, (s, r, g, {})) for s, r, g in zip(sources, responses, labels)]
             if is_async:
                 async def all_samples():
                     return await asyncio.gather(*(func(**kwargs) for kwargs in calls))
