@@ -6,7 +6,9 @@ RLMESH_AUTH_TOKEN_FILE, or `--auth_token`), every RPC except the read-only ones 
 `OPEN_METHODS` (health, reflection, GetInfo / GetModelInfo / GetRewardInfo, the coordinator's
 GetStatus / StreamMetrics) must carry the metadata `authorization: Bearer <token>`; others get
 UNAUTHENTICATED with a message saying what to send. Deny by default: a new RPC is protected until
-it is listed as open here. Without a token nothing is checked (TLS with a client CA still is).
+it is listed as open here. Without a token nothing is checked (TLS with a client CA still is), so
+a service refuses to start without one on an address other machines can reach unless told
+`--allow_unauthenticated` (`check_exposure`), and warns when it serves loopback without one.
 
 Client side: `client_credentials()` is what every channel of this process uses unless the caller
 passes its own. It starts from the environment (RLMESH_AUTH_TOKEN / RLMESH_AUTH_TOKEN_FILE,
@@ -21,9 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import ipaddress
 import os
 import pathlib
 import secrets
+import socket
 
 import grpc
 
@@ -87,6 +91,45 @@ def write_token_file(path: pathlib.Path, token: str) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # Server side
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a server bound to `host` is reachable from this machine only: 127.0.0.0/8, ::1, or a
+    name that resolves to loopback addresses only. Every interface ("", 0.0.0.0, ::), any other
+    address and a name that does not resolve count as reachable from elsewhere."""
+    host = host.strip().removeprefix("[").removesuffix("]")
+    if host in ("", "0.0.0.0", "::"):
+        return False
+    try:
+        addresses = [ipaddress.ip_address(host)]
+    except ValueError:
+        try:
+            addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in socket.getaddrinfo(host, None)]
+        except OSError:
+            return False
+    mapped = [getattr(a, "ipv4_mapped", None) or a for a in addresses]  # ::ffff:127.0.0.1 is loopback too
+    return bool(mapped) and all(a.is_loopback for a in mapped)
+
+
+def check_exposure(service: str, host: str, token: str, mutual_tls: bool, allow_unauthenticated: bool) -> str:
+    """Secure by default: raises ConfigError when `service` would serve a non-loopback `host` with
+    neither a token nor mutual TLS (anyone reaching the port could train, push weights, export),
+    unless `allow_unauthenticated`. Returns a warning to log when it serves without either (on
+    loopback, or allowed explicitly), "" when callers must authenticate."""
+    if token or mutual_tls:
+        return ""
+    if not is_loopback(host):
+        if not allow_unauthenticated:
+            raise ConfigError(
+                f"the {service} service would serve --host {host or '(every interface)'} without a token: anyone who "
+                f"reaches the port could call its mutating RPCs (train, push weights, save, export). Give it the "
+                f"run's shared token (--auth_token_file FILE, or env {TOKEN_ENV} / {TOKEN_FILE_ENV}; the "
+                f"coordinator needs the same), require client certificates (--tls_client_ca), bind loopback "
+                f"(--host 127.0.0.1), or pass --allow_unauthenticated to serve this network without a check")
+        return (f"--allow_unauthenticated: serving {host or '(every interface)'} without a token; anyone who reaches "
+                f"the port may call every RPC")
+    return (f"serving {host} without a token: every local user and process may call every RPC; set "
+            f"--auth_token_file or env {TOKEN_ENV} (the coordinator's own launches always do)")
 
 
 def _denied_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:

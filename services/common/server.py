@@ -2,7 +2,8 @@
 
 It binds host:port (loopback unless told otherwise; 0 picks a free port and the real one is
 reported), sets explicit message size limits and keepalive, serves grpc.health.v1 and server
-reflection, optional TLS / mutual TLS, a shared token on every mutating RPC (services.common.security),
+reflection, optional TLS / mutual TLS, a shared token on every mutating RPC (services.common.security;
+without one a service refuses a non-loopback --host unless --allow_unauthenticated, and warns on loopback),
 Prometheus metrics on their own port, and shuts down gracefully on SIGTERM: health goes
 NOT_SERVING, in-flight calls get `grace_period_s` to finish, then the server stops.
 """
@@ -10,6 +11,7 @@ NOT_SERVING, in-flight calls get `grace_period_s` to finish, then the server sto
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import pathlib
 import signal
@@ -23,7 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from services.common.config import ConfigError, opt
 from services.common.log import get_logger, log_event
 from services.common.metrics import start_metrics_server
-from services.common.security import TokenAuthInterceptor, read_token_file, resolve_token
+from services.common.security import TokenAuthInterceptor, check_exposure, read_token_file, resolve_token
 
 MiB = 1024 * 1024
 
@@ -51,6 +53,9 @@ class ServerConfig:
                                "names; none = no check")
     auth_token: str = opt("", "the shared token itself; visible in `ps`, so prefer --auth_token_file or env "
                           "RLMESH_AUTH_TOKEN")
+    allow_unauthenticated: bool = opt(False, "serve a non-loopback --host without a token or mutual TLS (anyone "
+                                      "who reaches the port may call every RPC); without it such a service refuses "
+                                      "to start")
 
     def validate_server(self) -> None:
         if not 0 <= self.port < 65536:
@@ -94,6 +99,9 @@ class ServiceRunner:
         self.config = config
         self.log = get_logger(name)
         self.auth_token = resolve_token(config.auth_token, config.auth_token_file) if auth_token is None else auth_token
+        # Before anything starts: raises ConfigError when the address is open to others without a check.
+        self.exposure_warning = check_exposure(name, config.host, self.auth_token, bool(config.tls_client_ca),
+                                               bool(config.allow_unauthenticated))
         interceptors = [TokenAuthInterceptor(self.auth_token, name)] if self.auth_token else []
         # No SO_REUSEPORT (gRPC's default on Linux): a second service started on a port in use would
         # bind it too and take a share of its connections; here it fails to start instead.
@@ -162,6 +170,8 @@ class ServiceRunner:
         print("RLMESH_READY " + json.dumps(ready), flush=True)
         log_event(self.log, "server.started", address=ready["address"], metrics_port=self.metrics_port,
                   tls=bool(cfg.tls_cert), mtls=bool(cfg.tls_client_ca), auth_token=bool(self.auth_token))
+        if self.exposure_warning:
+            log_event(self.log, "server.unauthenticated", level=logging.WARNING, note=self.exposure_warning)
         return self.port
 
     def request_stop(self) -> None:
@@ -193,3 +203,5 @@ def run_service(name: str, config: ServerConfig, build: Callable[[ServiceRunner]
         asyncio.run(main())
     except KeyboardInterrupt:
         sys.exit(130)
+    except ConfigError as exc:  # e.g. an unauthenticated non-loopback address: the message, no traceback
+        sys.exit(f"config error: {exc}")
