@@ -18,15 +18,15 @@ import sys
 # subcommand -> (module, function taking argv, one-line help)
 COMMANDS = {
     "quickstart": ("services.quickstart", "main", "build the tiny model and data, then run the embedded default end to end"),
-    "train": ("services.coordinator.train", "main", "run PPO / GRPO / RLOO / REINFORCE++ over the services"),
-    "main_ppo": ("services.coordinator.verl_cli", "main", "the same, from veRL's key=value overrides (verl.trainer.main_ppo)"),
+    "train": ("services.coordinator.cli.train", "main", "run PPO / GRPO / RLOO / REINFORCE++ over the services"),
+    "main_ppo": ("services.coordinator.cli.verl_cli", "main", "the same, from veRL's key=value overrides (verl.trainer.main_ppo)"),
     "sft": ("services.learner.train_sft", "main", "supervised fine-tuning"),
     "rm": ("services.learner.train_rm", "main", "reward-model training on preference pairs"),
     "dpo": ("services.learner.train_dpo", "main", "direct preference optimisation"),
-    "eval": ("services.coordinator.evaluate", "main", "pass@1 / pass@n of a model through the rollout and reward services"),
-    "control": ("services.coordinator.control_cli", "main", "status, pause, resume or stop a running training run"),
-    "plot": ("services.coordinator.plot", "main", "PNG curves of a run folder's metrics.jsonl"),
-    "scale": ("services.coordinator.scale_cli", "main", "add or remove rollout / reward instances of a running run"),
+    "eval": ("services.coordinator.loop.evaluate", "main", "pass@1 / pass@n of a model through the rollout and reward services"),
+    "control": ("services.coordinator.cli.control_cli", "main", "status, pause, resume or stop a running training run"),
+    "plot": ("services.coordinator.cli.plot", "main", "PNG curves of a run folder's metrics.jsonl"),
+    "scale": ("services.coordinator.cli.scale_cli", "main", "add or remove rollout / reward instances of a running run"),
     "make-tiny-model": ("services.common.tiny", "main_make_tiny_model", "build a tiny random model with a local tokenizer"),
     "make-data": ("services.common.tiny", "main_make_data", "write the local arithmetic / SFT / preference data sets"),
 }
@@ -51,9 +51,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         service, options = rest[0], rest[1:]
         if any(a == "--run_config" or a.startswith("--run_config=") for a in options):
-            # Settings from the run's one YAML file (services/coordinator/run_config.py).
+            # Settings from the run's one YAML file (services/coordinator/cli/run_config.py).
             from services.common.config import ConfigError
-            from services.coordinator.run_config import expand_run_config
+            from services.coordinator.cli.run_config import expand_run_config
 
             try:
                 options = expand_run_config(service, options)

@@ -154,7 +154,7 @@ def grpo_argv(config: QuickstartConfig, sft_dir: pathlib.Path, data: dict, run_d
 async def accuracy(pool, scorer, prompts, label: str) -> float:
     """Greedy pass@1 on the held-out prompts through the rollout and reward services."""
     from rlmesh.rollout.v1 import rollout_pb2
-    from services.coordinator.evaluate import evaluate
+    from services.coordinator.loop.evaluate import evaluate
 
     versions = {info.weight_version for info in await pool.model_infos()}
     sampling = rollout_pb2.SamplingOptions(temperature=0.0, max_tokens=12, return_text=True)
@@ -167,12 +167,12 @@ async def run_services_and_rl(config: QuickstartConfig, sft_dir: pathlib.Path, d
     """Starts rollout, reward and learner once; evaluates, runs GRPO over them, evaluates again."""
     from transformers import AutoTokenizer
 
-    from services.coordinator import train
+    from services.coordinator.cli import train
     from services.coordinator.config import CoordinatorConfig
-    from services.coordinator.evaluate import BalancedScorer, load_eval_prompts
-    from services.coordinator.launcher import spawn_service, stop_all, wait_until_ready
-    from services.coordinator.placement import learner_argv, reward_argv, rollout_argv
-    from services.coordinator.rollout_pool import RolloutPool
+    from services.coordinator.loop.evaluate import BalancedScorer, load_eval_prompts
+    from services.coordinator.fleet.launcher import spawn_service, stop_all, wait_until_ready
+    from services.coordinator.fleet.placement import learner_argv, reward_argv, rollout_argv
+    from services.coordinator.loop.rollout_pool import RolloutPool
 
     base = grpo_argv(config, sft_dir, data, run_dir)
     local = parse_config(CoordinatorConfig, base + ["--placement", "local"])
@@ -217,7 +217,7 @@ async def run_services_and_rl(config: QuickstartConfig, sft_dir: pathlib.Path, d
 
 def plot_curves(run_dir: pathlib.Path) -> list[pathlib.Path]:
     """The SFT loss curve and the GRPO reward / length / step-time curves as PNG files."""
-    from services.coordinator.plot import plot_run
+    from services.coordinator.cli.plot import plot_run
 
     paths = plot_run(run_dir / "sft", ["train/loss"])
     grpo_plots = run_dir / "grpo" / "plots"

@@ -12,7 +12,7 @@ import yaml
 
 from services.common.config import build_parser
 from services.coordinator.config import CoordinatorConfig
-from services.coordinator.run_config import split_run_config
+from services.coordinator.cli.run_config import split_run_config
 from services.learner.config import LearnerConfig
 from services.reward.config import RewardConfig
 from services.rollout.config import RolloutConfig

@@ -241,7 +241,7 @@ def test_deepspeed_file_is_honoured(paths, tmp_path):
     cfg = coordinator_config(rl_args(SKILL_PPO_STEP2, paths, "--zero_stage", "2", "--no-bf16",
                                      "--deepspeed", str(paths["recipe"])))
     assert (cfg.zero_stage, cfg.bf16) == (3, True)
-    from services.coordinator.placement import learner_argv
+    from services.coordinator.fleet.placement import learner_argv
 
     argv = learner_argv(cfg, total_steps=4, num_ranks=1)
     assert argv[argv.index("--deepspeed") + 1] == str(paths["recipe"])
@@ -292,7 +292,7 @@ def test_no_parser_takes_a_prefix_for_an_option():
 
 
 def test_simplerl_eval_flag_names_the_rlmesh_flag(capsys):
-    from services.coordinator.evaluate import EvalConfig
+    from services.coordinator.loop.evaluate import EvalConfig
 
     with pytest.raises(SystemExit):
         parse_config(EvalConfig, ["--model_path", "./checkpoints"])

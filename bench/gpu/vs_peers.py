@@ -192,7 +192,7 @@ def free_port() -> int:
 
 
 def rlmesh_command(job: Job, model, paths, work: pathlib.Path, scratch: pathlib.Path, args) -> list[str]:
-    return [sys.executable, "-m", "services.coordinator.train",
+    return [sys.executable, "-m", "services.coordinator.cli.train",
             "--pretrain", str(model), "--prompt_data", str(paths["prompts"]), "--input_key", "prompt",
             "--label_key", "label", "--apply_chat_template", "--remote_rm_url", str(paths["reward"]),
             "--advantage_estimator", "group_norm", "--n_samples_per_prompt", str(SAMPLES_PER_PROMPT),

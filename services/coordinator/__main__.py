@@ -1,12 +1,12 @@
 """`python -m services.coordinator` (and `rlmesh serve coordinator`): run one training job.
 
 The coordinator is the job itself: it serves its control API (GetStatus, StreamMetrics, Pause,
-Resume, Stop) while the run lasts. See `services.coordinator.train` for the flags.
+Resume, Stop) while the run lasts. See `services.coordinator.cli.train` for the flags.
 """
 
 import sys
 
-from services.coordinator.train import main
+from services.coordinator.cli.train import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -164,7 +164,7 @@ class CoordinatorConfig(ServerConfig):
     top_p: float = opt(1.0, "nucleus sampling")
     top_k: int = opt(-1, "top-k sampling; -1 = off")
 
-    # ---- asynchronous training and agents (services/coordinator/async_loop.py, agent.py) -------
+    # ---- asynchronous training and agents (services/coordinator/loop/async_loop.py, agent.py) -------
     async_train: bool = opt(False, "generate the next step(s) while the learner trains the current one; "
                             "a sample may lag the trained policy by up to --max_staleness weight versions")
     max_staleness: int = opt(1, "with --async_train: how many weight versions a sample's oldest token may lag "
@@ -252,7 +252,7 @@ class CoordinatorConfig(ServerConfig):
                                "(connection refused or reset), to another instance or the restarted one")
     scoring_wait_s: float = opt(300.0, "how long a reward / reference call waits in all for a serving instance "
                                 "when every instance is down (e.g. restarting), seconds; past it the step fails")
-    # Supervision (services/coordinator/supervisor.py): restarts of services that die during the run.
+    # Supervision (services/coordinator/fleet/supervisor.py): restarts of services that die during the run.
     max_restarts: int = opt(3, "restarts allowed per service instance (rollout-0, learner, ...) before the run "
                             "stops with that service's exit code and log; 0 = never restart")
     restart_backoff_s: float = opt(1.0, "wait before a service's first restart; doubled for each further "

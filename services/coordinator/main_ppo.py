@@ -1,10 +1,10 @@
 """`python -m services.coordinator.main_ppo key=value ...`: veRL's trainer command (`python3 -m
 verl.trainer.main_ppo ...`) with its Hydra overrides, run by the rlmesh coordinator; see
-services/coordinator/verl_cli.py for what each key becomes."""
+services/coordinator/cli/verl_cli.py for what each key becomes."""
 
 import sys
 
-from services.coordinator.verl_cli import main
+from services.coordinator.cli.verl_cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,7 +7,7 @@ the services on the cluster; elsewhere it starts them on this machine.
 
 import sys
 
-from services.coordinator.train import main
+from services.coordinator.cli.train import main
 
 if __name__ == "__main__":
     sys.exit(main())

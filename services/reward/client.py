@@ -24,6 +24,9 @@ from services.common.client import make_channel
 from services.common.tensors import from_proto, ragged_from_proto, ragged_to_proto, to_proto
 from services.reward.source import InvalidScores, ScoreBatch, SourceScores, finite_values
 
+# The reward service's client API: the only module of services/reward that other services import.
+__all__ = ["RewardClient", "ReferenceClient", "ScoreBatch", "ScoreResult"]
+
 REWARD_SERVICE = "rlmesh.reward.v1.RewardService"
 REFERENCE_SERVICE = "rlmesh.reward.v1.ReferenceService"
 MiB = 1024 * 1024

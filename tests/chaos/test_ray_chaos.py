@@ -37,7 +37,7 @@ from rlmesh.coordinator.v1 import coordinator_pb2 as pb
 from rlmesh.coordinator.v1 import coordinator_pb2_grpc
 from services.common.client import make_sync_channel
 from services.common.security import ClientCredentials
-from services.coordinator.scale_cli import main as scale_main
+from services.coordinator.cli.scale_cli import main as scale_main
 from tests.chaos.harness import REPO, grpo_argv, service_env
 
 STEPS = 4

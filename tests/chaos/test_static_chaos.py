@@ -34,8 +34,8 @@ import grpc
 
 from rlmesh.coordinator.v1 import coordinator_pb2 as pb
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from services.coordinator.launcher import spawn_service, stop_all, wait_until_ready
-from services.coordinator.scale_cli import main as scale_main
+from services.coordinator.fleet.launcher import spawn_service, stop_all, wait_until_ready
+from services.coordinator.cli.scale_cli import main as scale_main
 from tests.chaos.harness import service_env
 from tests.conftest import get_free_port
 from tests.coordinator.conftest import control_stub, finish, read_metrics, start_coordinator, wait_for_file

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from services.coordinator.advantages import (compute_advantages, keep_group, length_mask, overlong_penalty,
+from services.coordinator.loop.advantages import (compute_advantages, keep_group, length_mask, overlong_penalty,
                                              pad_right, update_kl_coef)
 
 LOGP = torch.tensor([[-1.0, -0.5, -2.0, -0.1]])

@@ -10,9 +10,9 @@ import re
 
 import pytest
 
-from services.coordinator.async_loop import admit_fresh
-from services.coordinator.experience import Sample
-from services.coordinator.data import Prompt
+from services.coordinator.loop.async_loop import admit_fresh
+from services.coordinator.loop.experience import Sample
+from services.coordinator.loop.data import Prompt
 from tests.coordinator.conftest import finish, read_metrics, start_coordinator
 
 import torch
@@ -90,7 +90,7 @@ def test_partial_rollout_samples_are_as_stale_as_their_oldest_token():
     token_weight_versions) counts as version 3: past the bound of 0 under version 4, within 1."""
     from rlmesh.rollout.v1 import rollout_pb2
     from services.common.tensors import to_proto
-    from services.coordinator.async_loop import token_versions
+    from services.coordinator.loop.async_loop import token_versions
 
     response = rollout_pb2.GenerateResponse(weight_version=3)
     assert token_versions(response) is None

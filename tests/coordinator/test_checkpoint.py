@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from services.coordinator import checkpoint
-from services.coordinator.checkpoint import CoordinatorState
-from services.coordinator.data import PromptStream
+from services.coordinator.loop import checkpoint
+from services.coordinator.loop.checkpoint import CoordinatorState
+from services.coordinator.loop.data import PromptStream
 
 
 def learner_files(root, step):

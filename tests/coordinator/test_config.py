@@ -124,7 +124,7 @@ def test_static_placement_from_environment(paths, monkeypatch):
 def test_learner_gets_the_fast_training_paths_on_gpu(paths):
     """On GPUs the learner packs with varlen FlashAttention and takes log-probs from the hidden
     states; on CPU neither is asked for, and --use_liger_kernel is dropped with a warning."""
-    from services.coordinator.placement import learner_argv
+    from services.coordinator.fleet.placement import learner_argv
 
     with pytest.warns(GpuOnlyFlagWarning, match="--use_liger_kernel needs a GPU"):
         cpu = parse(base(paths, "--packing_samples", "--use_liger_kernel"))

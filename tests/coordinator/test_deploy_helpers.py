@@ -13,9 +13,9 @@ import pytest
 
 from services.common.config import ConfigError
 from services.coordinator.config import CoordinatorConfig
-from services.coordinator.final_scrape import ScrapeWatch
-from services.coordinator.placement import DEFAULT_WEIGHT_SYNC_PORT, Endpoints, StaticPlacement, instance_addresses
-from services.coordinator.run_config import expand_run_config, split_run_config
+from services.coordinator.fleet.final_scrape import ScrapeWatch
+from services.coordinator.fleet.placement import DEFAULT_WEIGHT_SYNC_PORT, Endpoints, StaticPlacement, instance_addresses
+from services.coordinator.cli.run_config import expand_run_config, split_run_config
 
 
 def test_split_run_config():

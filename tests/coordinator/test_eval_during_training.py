@@ -7,8 +7,8 @@ from __future__ import annotations
 import prometheus_client
 import pytest
 
-from services.coordinator.metrics import MetricsLog
-from services.coordinator.plot import read_metrics as plot_records
+from services.coordinator.loop.metrics import MetricsLog
+from services.coordinator.cli.plot import read_metrics as plot_records
 from tests.coordinator.conftest import finish, read_metrics, start_coordinator
 from tests.coordinator.test_metrics_plot import fake_config
 

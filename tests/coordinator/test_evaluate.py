@@ -6,8 +6,8 @@ import math
 import pytest
 
 from services.common.config import parse_config
-from services.coordinator.agent import Outcome
-from services.coordinator.evaluate import EvalConfig, PromptResult, is_correct, pass_at_k, summarize
+from services.coordinator.loop.agent import Outcome
+from services.coordinator.loop.evaluate import EvalConfig, PromptResult, is_correct, pass_at_k, summarize
 
 
 def test_pass_at_k_matches_the_combinatorial_definition():
@@ -103,8 +103,8 @@ def _episode(index, tokenizer, prompt, turns, reward, solved):
 def test_episode_evaluation_judges_whole_episodes(tiny_model_dir):
     from transformers import AutoTokenizer
 
-    from services.coordinator.data import Prompt
-    from services.coordinator.evaluate import _episode_batch, episode_metrics
+    from services.coordinator.loop.data import Prompt
+    from services.coordinator.loop.evaluate import _episode_batch, episode_metrics
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = [Prompt(f"p{i}", f"{i}+1=", tuple(tok(f"{i}+1=")["input_ids"]), str(i + 1), "arith") for i in range(3)]

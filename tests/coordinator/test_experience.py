@@ -5,8 +5,8 @@ import random
 
 import torch
 
-from services.coordinator.data import Prompt
-from services.coordinator.experience import Sample, StepCollector
+from services.coordinator.loop.data import Prompt
+from services.coordinator.loop.experience import Sample, StepCollector
 
 
 def prompts(k):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from services.coordinator.launcher import ServiceStartError, spawn_service, stop_all, wait_until_ready
+from services.coordinator.fleet.launcher import ServiceStartError, spawn_service, stop_all, wait_until_ready
 from tests.coordinator.conftest import REPO, pid_alive
 
 
@@ -33,7 +33,7 @@ def test_a_service_that_fails_to_start_is_reported_with_its_log(tmp_path):
 
 PARENT = """
 import json, sys, time, pathlib
-from services.coordinator.launcher import spawn_service
+from services.coordinator.fleet.launcher import spawn_service
 s = spawn_service("echo", "tests.common.echo_server", [], pathlib.Path(sys.argv[1]))
 print(json.dumps({"pid": s.pid}), flush=True)
 time.sleep(600)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import signal
 import time
 
-from services.coordinator import checkpoint
+from services.coordinator.loop import checkpoint
 from tests.coordinator.conftest import (finish, pid_alive, read_metrics, service_pids, start_coordinator,
                                         wait_for_file)
 

@@ -6,8 +6,8 @@ import types
 import prometheus_client
 import pytest
 
-from services.coordinator.metrics import MetricsLog
-from services.coordinator.plot import main as plot_main
+from services.coordinator.loop.metrics import MetricsLog
+from services.coordinator.cli.plot import main as plot_main
 
 
 def fake_config(tmp_path, **kw):

@@ -12,7 +12,7 @@ import pytest
 
 from services.common import paths
 from services.common.config import ConfigError
-from services.coordinator import checkpoint
+from services.coordinator.loop import checkpoint
 from tests.coordinator.conftest import REPO, finish, read_metrics, service_env
 
 

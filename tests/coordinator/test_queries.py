@@ -3,7 +3,7 @@
 import torch
 
 from services.common.tiny import EOS_TOKEN, IM_START, build_tokenizer
-from services.coordinator.queries import QueryDecoder
+from services.coordinator.loop.queries import QueryDecoder
 
 
 def test_query_is_the_whole_sequence_with_chat_template_and_eos():

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.coordinator.reward_logs import reward_metrics
+from services.coordinator.loop.reward_logs import reward_metrics
 
 
 def sample(extra=None, batch=None):

@@ -12,7 +12,7 @@ import time
 import prometheus_client
 import pytest
 
-from services.coordinator.scoring_pool import ScoringError, ScoringPool
+from services.coordinator.loop.scoring_pool import ScoringError, ScoringPool
 from services.reward.client import RewardClient
 from services.reward.source import ScoreBatch
 from tests.conftest import get_free_port

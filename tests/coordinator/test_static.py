@@ -17,8 +17,8 @@ import urllib.request
 import pytest
 
 from rlmesh.coordinator.v1 import coordinator_pb2 as pb
-from services.coordinator import checkpoint
-from services.coordinator.launcher import spawn_service, stop_all, wait_until_ready
+from services.coordinator.loop import checkpoint
+from services.coordinator.fleet.launcher import spawn_service, stop_all, wait_until_ready
 from tests.coordinator.conftest import (control_stub, finish, read_metrics, service_env, start_coordinator,
                                         wait_for_file)
 

@@ -13,7 +13,7 @@ import pytest
 
 from services.common.config import ConfigError, parse_config
 from services.coordinator.config import CoordinatorConfig
-from services.coordinator.verl_cli import parse_overrides, translate
+from services.coordinator.cli.verl_cli import parse_overrides, translate
 from tests.coordinator.conftest import finish, read_metrics, start_coordinator
 
 

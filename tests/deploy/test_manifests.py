@@ -146,9 +146,9 @@ def test_run_config_is_one_file():
 def exported_metric_names() -> set[str]:
     """Every sample name rlmesh's services export: their metric modules' registries, with the
     suffixes Prometheus adds (counters _total, histograms _bucket/_sum/_count, info _info)."""
-    import services.coordinator.final_scrape  # noqa: F401
-    import services.coordinator.metrics  # noqa: F401
-    import services.coordinator.supervisor  # noqa: F401
+    import services.coordinator.fleet.final_scrape  # noqa: F401
+    import services.coordinator.loop.metrics  # noqa: F401
+    import services.coordinator.fleet.supervisor  # noqa: F401
     import services.learner.server  # noqa: F401
     import services.reward.metrics  # noqa: F401
     import services.rollout.metrics  # noqa: F401

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
-from services.coordinator.data import Prompt
+from services.coordinator.loop.data import Prompt
 
 ScoreFn = Callable[[list["Sample"]], Awaitable[None]]  # fills sample.reward / .score / .extra
 LogprobFn = Callable[[list["Sample"]], Awaitable[None]]  # fills old/ref log-probs and values

@@ -13,7 +13,7 @@ MultiTurnAgentExecutor` and defines
         def __init__(self):
             super().__init__(AgentInstance)
 
-The agent worker (services/coordinator/agent_worker.py) registers this module under that name
+The agent worker (services/coordinator/loop/agent_worker.py) registers this module under that name
 before it loads the file; `llm_engine.generate` there goes to the rollout service. An executor may
 also override `execute` (token in, token out) as in OpenRLHF.
 

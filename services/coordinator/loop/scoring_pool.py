@@ -37,7 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.client import make_channel, returned_by_service
 from services.common.log import get_logger, log_event
-from services.coordinator import metrics as prom
+from services.coordinator.loop import metrics as prom
 
 _log = get_logger("coordinator")
 

@@ -150,3 +150,9 @@ def load_latest(ckpt_path: str | os.PathLike) -> CoordinatorState | None:
     if state.global_step != step:
         raise ValueError(f"{path} holds global_step {state.global_step}, but its folder says {step}")
     return state
+
+
+def new_state(config, run_dir: str) -> CoordinatorState:
+    digest, values = config_digest(config)
+    return CoordinatorState(kl_coef=config.init_kl_coef, seed=config.seed, run_dir=run_dir,
+                            config_digest=digest, config_values=values)

@@ -1,7 +1,7 @@
 """A worker process that runs the agent file's code, one episode at a time.
 
-Started by services/coordinator/agent.py (multiprocessing, spawn) with one end of a pipe. It
-registers services.coordinator.agent_api as `openrlhf.utils.agent`, loads --agent_func_path, and
+Started by services/coordinator/loop/agent.py (multiprocessing, spawn) with one end of a pipe. It
+registers services.coordinator.loop.agent_api as `openrlhf.utils.agent`, loads --agent_func_path, and
 then serves episodes:
 
     coordinator -> ("episode", prompt, label, sampling dict, max_length)
@@ -23,7 +23,7 @@ import traceback
 import types
 from multiprocessing.connection import Connection
 
-from services.coordinator import agent_api
+from services.coordinator.loop import agent_api
 
 
 class _Logprob:

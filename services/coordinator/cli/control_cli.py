@@ -27,7 +27,7 @@ from rlmesh.coordinator.v1 import coordinator_pb2_grpc
 from services.common.client import make_sync_channel
 from services.common.config import ConfigError
 from services.common.security import client_credentials, read_token_file, resolve_token
-from services.coordinator.security import TOKEN_FILE
+from services.coordinator.fleet.security import TOKEN_FILE
 
 ACTIONS = ("status", "pause", "resume", "stop")
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 
 from services.common.log import get_logger
-from services.coordinator.supervisor import DRAINING, SYNCING, Instance
+from services.coordinator.fleet.supervisor import DRAINING, SYNCING, Instance
 
 _log = get_logger("coordinator")
 
@@ -32,7 +32,7 @@ class Scaler:
 
     def __init__(self, recovery, placement_name: str):
         self.recovery = recovery
-        self.t, self.sup = recovery.t, recovery.sup
+        self.members, self.sup = recovery.members, recovery.sup
         self.placement_name = placement_name
         self._lock = asyncio.Lock()
         self._drains: set[asyncio.Task] = set()
@@ -78,20 +78,15 @@ class Scaler:
         return [i.address for i in self.live(role)], added, removed
 
     async def _add(self, role: str, address: str | None) -> str:
-        placement, rec, t = self.sup.placement, self.recovery, self.t
+        placement, rec = self.sup.placement, self.recovery
         name, roles, address = (await placement.add_address(role, address) if address is not None
                                 else await placement.add(role))
         instance = Instance(name, roles, address, state=SYNCING if role == "rollout" else "serving")
         self.sup.instances[name] = instance
-        if "rollout" in roles:
-            engine = t.pool.add(address)
-            rec.rollout_index[name] = engine.index
-        if "reward" in roles:
-            rec.reward_index[name] = t.rewards.add(address)
-            t.endpoints.reward.append(address)
-        if "reference" in roles:
-            rec.reference_index[name] = t.references.add(address)
-            t.endpoints.reference.append(address)
+        for role, index in (("rollout", rec.rollout_index), ("reward", rec.reward_index),
+                            ("reference", rec.reference_index)):
+            if role in roles:
+                index[name] = self.members.add_instance(role, address)
         self.sup.event("service.added", service=name, address=address, roles=",".join(roles))
         rec.refresh_status()
         return address
@@ -100,8 +95,7 @@ class Scaler:
         instance.state = DRAINING
         in_flight = 0  # rollout samples requested and not yet received
         if instance.name in self.recovery.rollout_index:
-            engine = self.t.pool.engine(self.recovery.rollout_index[instance.name])
-            engine.draining, in_flight = True, engine.outstanding
+            in_flight = self.members.drain_engine(self.recovery.rollout_index[instance.name])
         self.sup.event("service.draining", service=instance.name, address=instance.address, in_flight=in_flight)
         task = asyncio.ensure_future(self._drain(instance))
         self._drains.add(task)
@@ -111,20 +105,11 @@ class Scaler:
 
     async def _drain(self, instance: Instance) -> None:
         """Waits for the instance's in-flight work, then takes it out of the run and stops it."""
-        rec, t = self.recovery, self.t
-        if instance.name in rec.rollout_index:
-            engine = t.pool.engine(rec.rollout_index.pop(instance.name))
-            while engine.outstanding > 0:
-                await asyncio.sleep(0.2)
-            await t.pool.remove(engine)
-        if instance.name in rec.reward_index:
-            rec.reward_index.pop(instance.name)
-            await t.rewards.remove(instance.address)
-            t.endpoints.reward.remove(instance.address)
-        if instance.name in rec.reference_index:
-            rec.reference_index.pop(instance.name)
-            await t.references.remove(instance.address)
-            t.endpoints.reference.remove(instance.address)
+        rec = self.recovery
+        for role, index in (("rollout", rec.rollout_index), ("reward", rec.reward_index),
+                            ("reference", rec.reference_index)):
+            if instance.name in index:
+                await self.members.remove_instance(role, index.pop(instance.name), instance.address)
         # Unwatched before it stops, or the supervisor would take the stop for a death.
         self.sup.instances.pop(instance.name, None)
         await self.sup.placement.remove(instance.name)

@@ -26,7 +26,7 @@ from rlmesh.coordinator.v1 import coordinator_pb2_grpc
 from services.common.client import make_sync_channel
 from services.common.config import ConfigError
 from services.common.security import client_credentials
-from services.coordinator.control_cli import resolve
+from services.coordinator.cli.control_cli import resolve
 
 
 def parser() -> argparse.ArgumentParser:

@@ -22,20 +22,11 @@ from services.common.client import make_channel, verify_tls_as, wait_for_serving
 from services.common.log import get_logger, log_event
 from services.common.security import client_credentials, launch_settings
 from services.coordinator.config import CoordinatorConfig
-from services.coordinator.launcher import ServiceProcess, log_tail, spawn_service, stop_all, wait_until_ready
+from services.coordinator.loop.run_state import Endpoints
+from services.coordinator.fleet.launcher import ServiceProcess, log_tail, spawn_service, stop_all, wait_until_ready
 
 _log = get_logger("coordinator")
 REFERENCE_SERVICE = "rlmesh.reward.v1.ReferenceService"
-
-
-@dataclasses.dataclass
-class Endpoints:
-    """host:port of every service the loop talks to."""
-
-    rollout: list[str]
-    reward: list[str]  # RewardService (Score)
-    reference: list[str]  # ReferenceService (RefLogProbs); may be the same processes as reward
-    learner: str  # the learner's rank 0
 
 
 @dataclasses.dataclass
@@ -293,7 +284,7 @@ class LocalPlacement:
     async def weight_sync_master(self, endpoints: Endpoints) -> tuple[str, int]:
         return "127.0.0.1", free_port()
 
-    # ---- supervision (services/coordinator/supervisor.py) ----
+    # ---- supervision (services/coordinator/fleet/supervisor.py) ----
     def instances(self) -> list[tuple[str, tuple[str, ...], str]]:
         """(name, roles, address) of every service process."""
         return [(s.name, s.roles, p.address) for s, p in zip(self.specs, self.processes)]
@@ -319,7 +310,7 @@ class LocalPlacement:
         await wait_until_ready(self.processes[i], self.cfg.service_start_timeout_s)
         return self.processes[i].address
 
-    # ---- scaling while running (services/coordinator/scaling.py) ----
+    # ---- scaling while running (services/coordinator/fleet/scaling.py) ----
     async def add(self, role: str) -> tuple[str, tuple[str, ...], str]:
         """Starts one more rollout or reward instance like the run's first ones; (name, roles, address)."""
         spec = scaled_spec(self.cfg, role, [s.name for s in self.specs])

@@ -301,7 +301,7 @@ def translate(overrides: dict[str, object]) -> tuple[list[str], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.coordinator import train
+    from services.coordinator.cli import train
 
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in ("-h", "--help"):

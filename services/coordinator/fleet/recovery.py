@@ -26,14 +26,9 @@ from __future__ import annotations
 import asyncio
 import re
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from rlmesh.learner.v1 import learner_pb2
 from rlmesh.rollout.v1 import rollout_pb2
-from services.coordinator import checkpoint
-from services.coordinator.control import ServiceEntry
-from services.coordinator.supervisor import RECOVERED_SAMPLES, REDONE_STEPS, SERVING, SYNCING, Instance, Supervisor
+from services.coordinator.loop.run_state import ServiceEntry
+from services.coordinator.fleet.supervisor import RECOVERED_SAMPLES, REDONE_STEPS, SERVING, SYNCING, Instance, Supervisor
 
 # How long a failed call waits for the supervisor to see the death that caused it: a killed
 # process is usually gone before its connection resets, but a busy machine can lag.
@@ -48,29 +43,29 @@ class LearnerRestarted(RuntimeError):
 
 
 class Recovery:
-    """Binds a Trainer to a Supervisor: swaps clients on restarts and repairs the step."""
+    """Binds a Trainer to a Supervisor: swaps clients on restarts and repairs the step.
+
+    It changes the loop only through the Trainer's named calls (attach_recovery, rewind, ...) and
+    its `members` (services/coordinator/loop/members.py: which instances the loop uses)."""
 
     def __init__(self, trainer, supervisor: Supervisor):
         self.t, self.sup = trainer, supervisor
+        self.members = trainer.members
         self.config = trainer.config
-        trainer.recovery = self
-        trainer.pool.wait_for_engine = self.wait_for_engine
-        trainer.pool.on_prompts_moved = self._prompts_moved
-        trainer.pool.on_lost_weights = self._generate_refused
         supervisor.on_restarted.append(self._on_restarted)
         supervisor.on_died.append(self._on_died)
         # Scoring retries and instance changes go to the run's events.jsonl too.
-        trainer.rewards.on_event = trainer.references.on_event = supervisor.event
+        trainer.attach_recovery(self, self._prompts_moved, self._generate_refused, supervisor.event,
+                                self.refresh_status)
         self.rollout_index = {i.name: k for k, i in enumerate(supervisor.by_role("rollout"))}
         self.reward_index = {i.name: k for k, i in enumerate(supervisor.by_role("reward"))}
         self.reference_index = {i.name: k for k, i in enumerate(supervisor.by_role("reference"))}
         self.learner_restarted = False
         self._sync_lock = asyncio.Lock()
-        trainer.control.refresh_services = self.refresh_status
 
     def refresh_status(self) -> None:
         """The control API's service list, with the supervisor's state and restarts of each."""
-        t, sup = self.t, self.sup
+        sup = self.sup
         entries = []
         for role, index in (("rollout", self.rollout_index), ("reward", self.reward_index),
                             ("reference", self.reference_index)):
@@ -78,38 +73,29 @@ class Recovery:
                 instance = sup.instances.get(name)
                 if instance is None:
                     continue
-                version = t.pool.engine(i).weight_version if role == "rollout" else 0
+                version = self.members.engine(i).weight_version if role == "rollout" else 0
                 entries.append(ServiceEntry(role, i, instance.address, version, instance.state, instance.restarts))
         learner = sup.instances.get("learner")
         if learner is not None:
             entries.append(ServiceEntry("learner", 0, learner.address, 0, learner.state, learner.restarts))
-        t.control.services = entries
+        self.t.show_services(entries)
 
     # ---- deaths: no new work for the dead ----
+    def _roles_of(self, instance: Instance):
+        """(role, index in the loop) of each role the instance serves."""
+        for role, index in (("rollout", self.rollout_index), ("reward", self.reward_index),
+                            ("reference", self.reference_index)):
+            if instance.name in index:
+                yield role, index[instance.name]
+
     def _on_died(self, instance: Instance) -> None:
-        t = self.t
-        if instance.name in self.rollout_index:
-            t.pool.engine(self.rollout_index[instance.name]).healthy = False
-        # The scoring pools move the instance's in-flight calls at once instead of waiting for them to fail.
-        if instance.name in self.reward_index:
-            t.rewards.mark_dead(self.reward_index[instance.name], f"{instance.name} died ({instance.last_death})")
-        if instance.name in self.reference_index:
-            t.references.mark_dead(self.reference_index[instance.name], f"{instance.name} died ({instance.last_death})")
+        for role, i in self._roles_of(instance):
+            self.members.instance_died(role, i, f"{instance.name} died ({instance.last_death})")
 
     # ---- restarts: new addresses ----
     async def _on_restarted(self, instance: Instance) -> None:
-        t = self.t
-        if instance.name in self.rollout_index:
-            t.pool.replace(self.rollout_index[instance.name], instance.address)
-        # Calls waiting in the scoring pools move to the new address (their request ids unchanged).
-        if instance.name in self.reward_index:
-            i = self.reward_index[instance.name]
-            t.rewards.replace(i, instance.address)
-            t.endpoints.reward[i] = instance.address
-        if instance.name in self.reference_index:
-            i = self.reference_index[instance.name]
-            t.references.replace(i, instance.address)
-            t.endpoints.reference[i] = instance.address
+        for role, i in self._roles_of(instance):
+            self.members.instance_moved(role, i, instance.address)
         if "learner" in instance.roles:
             # The loop keeps calling the dead address (and failing) until it has rewound: a call to
             # the restarted learner before it loaded the checkpoint would use --pretrain's weights.
@@ -128,12 +114,13 @@ class Recovery:
         health checks a second apart notice (static placement: the deployment brought it back on
         the same address). It is treated as restarted: out of the pool, and admitted again after a
         new weight group and the current weights."""
-        if engine not in self.t.pool.engines or engine.syncing:
+        if engine not in self.members.engines() or engine.syncing:
             return
         instance = self._instance_of(engine)
         self.sup.event("rollout.lost_state", service=instance.name, address=engine.address, error=why[:300],
-                       expected=self.t.state.weight_version, action="push the current weights before its next prompt")
-        self.t.pool.replace(engine.index, engine.address)  # a new channel; and a new weight group (_group_stale)
+                       expected=self.t.weight_version(), action="push the current weights before its next prompt")
+        # A new channel; and a new weight group (_group_stale).
+        self.members.instance_moved("rollout", engine.index, engine.address)
         instance.state = SYNCING
         self.refresh_status()
 
@@ -142,7 +129,7 @@ class Recovery:
         services/rollout/server.py): whether the engine lost the pushed weights (it holds an older
         version than the run's: restarted unseen), in which case it is out. A newer version is no loss."""
         held = re.search(r"holds version (\d+)", why)
-        if held is None or int(held.group(1)) >= self.t.state.weight_version:
+        if held is None or int(held.group(1)) >= self.t.weight_version():
             return False
         self._lost_weights(engine, why)
         return True
@@ -159,52 +146,43 @@ class Recovery:
         while True:
             down = await self.sup.check_all()
             waited = loop.time() - start
-            if down or waited > LEARNER_EXIT_S or (waited > DEATH_GRACE_S and await self._learner_serving()):
+            if down or waited > LEARNER_EXIT_S or (waited > DEATH_GRACE_S and await self.t.learner_serving()):
                 break
             await asyncio.sleep(0.25)
         for instance in down:
             if instance.name in self.rollout_index:
-                self.t.pool.engine(self.rollout_index[instance.name]).healthy = False
+                self.members.instance_died("rollout", self.rollout_index[instance.name], "down")
         return down
-
-    async def _learner_serving(self) -> bool:
-        try:
-            reply = await health_pb2_grpc.HealthStub(self.t.learner_channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=5.0)
-        except grpc.aio.AioRpcError:
-            return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     # ---- admitting engines: a new weight group and the current weights ----
     def _members(self) -> list:
         """Engines for the next weight group: admitted ones, and restarted ones that wait to be."""
-        return [e for e in self.t.pool.engines if (e.healthy or e.syncing) and not e.draining]
+        return [e for e in self.members.engines() if (e.healthy or e.syncing) and not e.draining]
 
     async def _sync(self, version: int | None) -> dict:
         """Admits the engines waiting to be (restarted or added). version None: a new weight group
         over every member and a new version pushed to all. Otherwise a catch-up: a group of the
         waiting engines alone gets `version`, the one the others hold (0: nothing was pushed yet,
         so a fresh engine already holds it); the next push rebuilds the group over everyone."""
-        t = self.t
+        t, members = self.t, self.members
         async with self._sync_lock:
             members = self._members()
             waiting = [e for e in members if e.syncing]
             if version is not None and not waiting:
                 return {}
             if waiting:
-                infos = await t.pool.model_infos(waiting)
+                infos = await members.engine_infos(waiting)
                 for engine, info in zip(waiting, infos):
                     engine.tensor_parallel_size = max(1, info.tensor_parallel_size)
             group = members if version is None else waiting
             # A new rendezvous port: the learner's store of the old group may still hold the old one.
-            t.weight_sync_master = await self.sup.placement.weight_sync_master(t.endpoints)
-            t.group_engines = []  # stale until the new group is complete
-            await t._init_weight_transfer(group)
+            master = await self.sup.placement.weight_sync_master(members.current_endpoints())
+            await members.build_weight_group(group, master)
             metrics = {}
             if version is None or version > 0:
                 metrics = await t.push_weights(group, version or 0)
             else:
-                infos = await t.pool.model_infos(waiting)
+                infos = await members.engine_infos(waiting)
                 for engine, info in zip(waiting, infos):
                     if info.weight_version != 0 or info.weights_state != rollout_pb2.WEIGHTS_STATE_READY:
                         raise RuntimeError(f"restarted rollout {engine.index} ({engine.address}) holds version "
@@ -212,13 +190,13 @@ class Recovery:
             for engine in waiting:
                 engine.syncing, engine.healthy = False, True
                 instance = self._instance_of(engine)
-                instance.state, instance.weight_version = SERVING, t.state.weight_version
+                instance.state, instance.weight_version = SERVING, t.weight_version()
                 self.sup.event("rollout.admitted", service=instance.name, address=engine.address,
-                               version=t.state.weight_version)
+                               version=t.weight_version())
             return metrics
 
     def _group_stale(self) -> bool:
-        return [id(e) for e in self._members()] != [id(e) for e in self.t.group_engines]
+        return not self.members.weight_group_is(self._members())
 
     async def before_step(self) -> None:
         """At a step's start: fail if a service gave up; admit restarted engines; with no engine
@@ -229,35 +207,35 @@ class Recovery:
         # A learner restarted faster than a health check notices (static placement: same address)
         # no longer holds the last pushed version. (Newer is fine: with --async_train a push may be
         # under way while the next step starts.)
-        info = await self.t.learner.GetInfo(learner_pb2.GetInfoRequest(), timeout=60.0)
-        if info.weight_version < self.t.state.weight_version:
+        info = await self.t.refresh_learner_info()
+        if info.weight_version < self.t.weight_version():
             self.learner_restarted = True
             self.sup.event("learner.lost_state", learner_version=info.weight_version,
-                           expected=self.t.state.weight_version, action="rewind to the last checkpoint")
+                           expected=self.t.weight_version(), action="rewind to the last checkpoint")
             raise LearnerRestarted(f"the learner holds weight version {info.weight_version}, not "
-                                   f"{self.t.state.weight_version}: it restarted")
+                                   f"{self.t.weight_version()}: it restarted")
         # The same for a rollout engine: one that no longer holds the pushed version is admitted again.
-        engines = self.t.pool.admitted()
-        infos = await asyncio.gather(*(self.t.pool.model_infos([e]) for e in engines), return_exceptions=True)
+        engines = self.members.admitted_engines()
+        infos = await asyncio.gather(*(self.members.engine_infos([e]) for e in engines), return_exceptions=True)
         for engine, engine_info in zip(engines, infos):
             if isinstance(engine_info, BaseException):
                 continue  # a dead one is the supervisor's; its Generate moves its prompts meanwhile
-            if engine_info[0].weight_version < self.t.state.weight_version:
+            if engine_info[0].weight_version < self.t.weight_version():
                 self._lost_weights(engine, f"the engine holds weight version {engine_info[0].weight_version}")
-        if not self.t.pool.admitted():
+        if not self.members.admitted_engines():
             await self.wait_for_engine()
         elif any(e.syncing for e in self._members()):
-            await self._sync(self.t.state.weight_version)
+            await self._sync(self.t.weight_version())
 
     async def wait_for_engine(self) -> None:
         """No engine is admitted (generation would stop): wait for a restart and admit it with the
         weights the step generates with."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.service_start_timeout_s + 60.0
-        while not self.t.pool.admitted():
+        while not self.members.admitted_engines():
             self.sup.raise_if_failed()
             if any(e.syncing for e in self._members()):
-                await self._sync(self.t.state.weight_version)
+                await self._sync(self.t.weight_version())
                 continue
             if loop.time() > deadline:
                 raise RuntimeError("no rollout engine came back within --service_start_timeout_s")
@@ -279,12 +257,12 @@ class Recovery:
                 down = await self._dead_now()
                 failures += 1
                 # Bounded: each retry follows a death, and deaths are bounded by --max_restarts.
-                limit = len(self.t.pool.engines) * (self.config.max_restarts + 1) + 1
+                limit = len(self.members.engines()) * (self.config.max_restarts + 1) + 1
                 if not down or any("learner" in i.roles for i in down) or self.learner_restarted or failures > limit:
                     raise
                 self.sup.event("weights.push_failed", error=f"{type(exc).__name__}: {str(exc)[:300]}",
                                services=",".join(i.name for i in down), action="push again on a new weight group")
-                self.t.group_engines = []  # a failed push breaks the group on every member
+                self.members.drop_weight_group()  # a failed push breaks the group on every member
                 if not self._members():
                     await self.wait_for_engine_serving()
 
@@ -305,59 +283,33 @@ class Recovery:
         learner = self.learner_restarted or any("learner" in i.roles for i in down)
         if not down and not learner:
             raise exc
-        if not learner and t.trained_step == step + 1:
+        trained_step, lost_samples = t.step_attempt()
+        if not learner and trained_step == step + 1:
             raise exc
         self.sup.event("step.failed", step=step + 1, services=",".join(i.name for i in down) or "learner",
                        error=f"{type(exc).__name__}: {str(exc)[:300]}")
         await self.sup.wait_back(cfg.service_start_timeout_s + 120.0)
-        RECOVERED_SAMPLES.inc(t.lost_samples)
+        RECOVERED_SAMPLES.inc(lost_samples)
         if learner:
             return await self._rewind(step)
-        # Nothing of the step was kept: its prompts are taken again from the same position.
-        t.stream.restore(t.state.episode, t.state.data_position)
-        self.sup.event("step.retried", step=step + 1, lost_samples=t.lost_samples)
+        t.retry_step()
+        self.sup.event("step.retried", step=step + 1, lost_samples=lost_samples)
         return step
-
-    def _connect_learner(self) -> None:
-        t = self.t
-        address = self.sup.instances["learner"].address
-        if address == t.endpoints.learner and t.learner_channel is not None:
-            return  # static placement: the same address again
-        asyncio.ensure_future(t.connect_learner(address).close())
 
     async def _rewind(self, step: int) -> int:
         """The restarted learner loads the newest complete checkpoint; the loop goes back to it."""
-        from services.coordinator.trainer import new_state
-
-        t, cfg, c = self.t, self.config, self.t.control
-        self._connect_learner()
+        t = self.t
+        t.reconnect_learner(self.sup.instances["learner"].address)
         self.learner_restarted = False
-        t.learner_offloaded = False
-        t.learner_info = await t.learner.GetInfo(learner_pb2.GetInfoRequest(), timeout=60.0)
-        saved = None if cfg.disable_ds_ckpt else checkpoint.load_latest(cfg.ckpt_path)
-        version = t.state.weight_version
-        if saved is not None:
-            await t.learner.LoadCheckpoint(learner_pb2.LoadCheckpointRequest(
-                ckpt_path=cfg.ckpt_path, global_step=saved.global_step), timeout=cfg.rpc_timeout_s)
-            saved.run_dir = t.state.run_dir
-            t.state = saved
-        else:
-            t.state = new_state(cfg, t.state.run_dir)  # a fresh learner holds --pretrain: step 0
-        t.state.weight_version = max(t.state.weight_version, version)  # versions only grow
-        t.stream.restore(t.state.episode, t.state.data_position)
-        t.trained_step = t.state.global_step
-        redone = step - t.state.global_step
+        saved_step = await t.rewind()
+        to_step = saved_step or 0
+        redone = step - to_step
         REDONE_STEPS.inc(redone)
-        if t.metrics is not None:
-            t.metrics.rewind(t.state.global_step)
-        c.global_step, c.episode = t.state.global_step, t.state.episode
-        c.last_checkpoint_step = t.state.global_step if saved is not None else 0
         # Engines get the checkpoint's weights as a new version (a restarted engine joins here too).
         if not self._members():
             await self.wait_for_engine_serving()
         await self._sync(None)
-        self.sup.event("learner.rewound", from_step=step, to_step=t.state.global_step, redone_steps=redone,
-                       checkpoint=saved.global_step if saved is not None else "none (pretrained weights)",
-                       version=t.state.weight_version)
-        return t.state.global_step
-
+        self.sup.event("learner.rewound", from_step=step, to_step=to_step, redone_steps=redone,
+                       checkpoint=saved_step if saved_step is not None else "none (pretrained weights)",
+                       version=t.weight_version())
+        return to_step

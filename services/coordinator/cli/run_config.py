@@ -65,7 +65,7 @@ def run_total_steps(config: CoordinatorConfig) -> int:
     """Reads and tokenizes the prompt data as the coordinator does, to count the run's steps."""
     from transformers import AutoTokenizer
 
-    from services.coordinator.data import build_prompt_stream
+    from services.coordinator.loop.data import build_prompt_stream
 
     from services.common.datasets import DatasetError
 
@@ -83,7 +83,7 @@ def service_argv(service: str, config: CoordinatorConfig) -> list[str]:
     A reward service also serves the reference model's log-probs when the run uses KL
     (--init_kl_coef > 0), as local placement does on CPU: static placement finds it there.
     """
-    from services.coordinator.placement import learner_argv, reward_argv, rollout_argv
+    from services.coordinator.fleet.placement import learner_argv, reward_argv, rollout_argv
 
     if service == "rollout":
         return rollout_argv(config)

@@ -53,7 +53,7 @@ DROPPED_STALE = prometheus_client.Counter(
 class CollectedStep:
     """What collect_step gathered for one step, until learn_step trains on it."""
 
-    collector: object  # services.coordinator.experience.StepCollector
+    collector: object  # services.coordinator.loop.experience.StepCollector
     gen: dict  # generation metrics (prompts_consumed, filter_rounds)
     times: dict[str, float]  # phase durations so far
     stream_position: tuple[int, int]  # (episode, data position) after this step's prompts

@@ -28,7 +28,7 @@ from services.common.client import make_channel
 from services.common.log import get_logger, log_event
 from services.common.tasks import gather_or_cancel
 from services.common.tensors import to_proto
-from services.coordinator.data import Prompt
+from services.coordinator.loop.data import Prompt
 
 _log = get_logger("coordinator")
 ROLLOUT_SERVICE = "rlmesh.rollout.v1.RolloutService"

@@ -33,10 +33,10 @@ from services.common.paths import absolute_paths, resolve_path_fields
 from services.common.datasets import DatasetError, load_prompts
 from services.common.log import get_logger, log_event
 from services.common.tensors import from_proto
-from services.coordinator.data import Prompt
-from services.coordinator.queries import QueryDecoder
-from services.coordinator.rollout_pool import RolloutPool
-from services.reward.source import ScoreBatch
+from services.coordinator.loop.data import Prompt
+from services.coordinator.loop.queries import QueryDecoder
+from services.coordinator.loop.rollout_pool import RolloutPool
+from services.reward.client import ScoreBatch
 
 _log = get_logger("coordinator")
 
@@ -166,7 +166,7 @@ async def evaluate_episodes(agents, score, prompts: list[Prompt], n: int, sampli
     """evaluate() for agent runs (--agent_func_path): each sample is a whole episode, played by the
     agent file's workers as in training (same --agent_max_turns and --agent_max_length) with `sampling`.
 
-    agents: a started services.coordinator.agent.AgentRunner. An episode's reward is the agent's (the
+    agents: a started services.coordinator.loop.agent.AgentRunner. An episode's reward is the agent's (the
     sum of its step rewards), or `score`'s of the whole episode when the run takes rewards from the
     reward service; is_correct judges it. Besides summarize(...)'s keys (response_length counts the
     model's tokens of an episode): f"{prefix}reward" (mean), f"{prefix}turns_mean",
@@ -367,7 +367,7 @@ async def run_eval(config: EvalConfig) -> dict[str, float]:
     """Starts the services that were not given, evaluates, stops what it started."""
     from transformers import AutoTokenizer
 
-    from services.coordinator.launcher import spawn_service, stop_all, wait_until_ready
+    from services.coordinator.fleet.launcher import spawn_service, stop_all, wait_until_ready
 
     tokenizer = AutoTokenizer.from_pretrained(config.pretrain)
     try:

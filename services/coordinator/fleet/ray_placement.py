@@ -40,8 +40,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from services.common.log import get_logger, log_event
 from services.common.security import client_credentials, credentials_from_env, launch_settings, set_client_credentials
 from services.coordinator.config import CoordinatorConfig
-from services.coordinator.launcher import ServiceStartError, log_tail, spawn_service, wait_until_ready
-from services.coordinator.placement import (Endpoints, ServiceSpec, learner_argv, reward_argv, role_instances,
+from services.coordinator.fleet.launcher import ServiceStartError, log_tail, spawn_service, wait_until_ready
+from services.coordinator.fleet.placement import (Endpoints, ServiceSpec, learner_argv, reward_argv, role_instances,
                                             rollout_argv, scaled_spec)
 
 _log = get_logger("coordinator")
@@ -269,7 +269,7 @@ class RayPlacement:
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
         ).remote(p.spec.name, self._log_dir, self._driver_ip)
 
-    # ---- supervision (services/coordinator/supervisor.py) ----
+    # ---- supervision (services/coordinator/fleet/supervisor.py) ----
     def instances(self) -> list[tuple[str, tuple[str, ...], str]]:
         """(name, roles, address) of every service; a multi-rank learner is one instance (rank 0)."""
         return [(p.spec.name, p.spec.roles, p.address) for p in self.placed if p.rank <= 0]
@@ -314,7 +314,7 @@ class RayPlacement:
         await self._start_one(members[0], wait=True)
         return members[0].address
 
-    # ---- scaling while running (services/coordinator/scaling.py) ----
+    # ---- scaling while running (services/coordinator/fleet/scaling.py) ----
     async def add(self, role: str) -> tuple[str, tuple[str, ...], str]:
         """One more rollout or reward instance on a placement group of its own; (name, roles, address)."""
         cfg = self.cfg
