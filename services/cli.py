@@ -23,7 +23,7 @@ COMMANDS = {
     "sft": ("services.learner.train_sft", "main", "supervised fine-tuning"),
     "rm": ("services.learner.train_rm", "main", "reward-model training on preference pairs"),
     "dpo": ("services.learner.train_dpo", "main", "direct preference optimisation"),
-    "eval": ("services.coordinator.loop.evaluate", "main", "pass@1 / pass@n of a model through the rollout and reward services"),
+    "eval": ("services.coordinator.cli.eval_cli", "main", "pass@1 / pass@n of a model through the rollout and reward services"),
     "control": ("services.coordinator.cli.control_cli", "main", "status, pause, resume or stop a running training run"),
     "plot": ("services.coordinator.cli.plot", "main", "PNG curves of a run folder's metrics.jsonl"),
     "scale": ("services.coordinator.cli.scale_cli", "main", "add or remove rollout / reward instances of a running run"),

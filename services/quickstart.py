@@ -169,7 +169,8 @@ async def run_services_and_rl(config: QuickstartConfig, sft_dir: pathlib.Path, d
 
     from services.coordinator.cli import train
     from services.coordinator.config import CoordinatorConfig
-    from services.coordinator.loop.evaluate import BalancedScorer, load_eval_prompts
+    from services.coordinator.cli.eval_cli import pool_scorer, reward_pool
+    from services.coordinator.loop.evaluate import load_eval_prompts
     from services.coordinator.fleet.launcher import spawn_service, stop_all, wait_until_ready
     from services.coordinator.fleet.placement import learner_argv, reward_argv, rollout_argv
     from services.coordinator.loop.rollout_pool import RolloutPool
@@ -186,7 +187,7 @@ async def run_services_and_rl(config: QuickstartConfig, sft_dir: pathlib.Path, d
         spawn_service("learner", "services.learner", learner_argv(local, config.grpo_steps, 1), log_dir,
                       env={**env, "LOCAL_RANK": "0"}),
     ]
-    pool = scorer = None
+    pool = scoring = None
     try:
         started = time.monotonic()
         await asyncio.gather(*(wait_until_ready(s, local.service_start_timeout_s) for s in services))
@@ -194,7 +195,8 @@ async def run_services_and_rl(config: QuickstartConfig, sft_dir: pathlib.Path, d
         log_event(_log, "services.ready", seconds=f"{time.monotonic() - started:.1f}", rollout=rollout,
                   reward=reward, learner=learner)
         pool = RolloutPool([rollout], local.rpc_timeout_s)
-        scorer = BalancedScorer([reward], local.rpc_timeout_s)
+        scoring = reward_pool([reward], local.rpc_timeout_s)
+        scorer = pool_scorer(scoring)
         before = await accuracy(pool, scorer, prompts, "eval_after_sft")
         static = parse_config(CoordinatorConfig, base + [
             "--placement", "static", "--rollout_addresses", rollout, "--reward_addresses", reward,
@@ -210,8 +212,8 @@ async def run_services_and_rl(config: QuickstartConfig, sft_dir: pathlib.Path, d
     finally:
         if pool is not None:
             await pool.close()
-        if scorer is not None:
-            await scorer.close()
+        if scoring is not None:
+            await scoring.close()
         await asyncio.to_thread(stop_all, services, 30.0)
 
 

@@ -292,7 +292,7 @@ def test_no_parser_takes_a_prefix_for_an_option():
 
 
 def test_simplerl_eval_flag_names_the_rlmesh_flag(capsys):
-    from services.coordinator.loop.evaluate import EvalConfig
+    from services.coordinator.cli.eval_cli import EvalConfig
 
     with pytest.raises(SystemExit):
         parse_config(EvalConfig, ["--model_path", "./checkpoints"])

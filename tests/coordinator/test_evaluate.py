@@ -7,7 +7,8 @@ import pytest
 
 from services.common.config import parse_config
 from services.coordinator.loop.agent import Outcome
-from services.coordinator.loop.evaluate import EvalConfig, PromptResult, is_correct, pass_at_k, summarize
+from services.coordinator.cli.eval_cli import EvalConfig
+from services.coordinator.loop.evaluate import PromptResult, is_correct, pass_at_k, summarize
 
 
 def test_pass_at_k_matches_the_combinatorial_definition():

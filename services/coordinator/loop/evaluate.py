@@ -1,36 +1,25 @@
-"""`rlmesh eval`: pass@1 and pass@n of a model through the rollout and reward services, like
-simpleRL-reason's math_eval.
+"""Evaluation during training: pass@1 and pass@n of the rollout engines' current weights on
+held-out labelled prompts, like simpleRL-reason's math_eval.
 
-    rlmesh eval --pretrain DIR --dataset test.jsonl --input_key prompt --label_key label --reward_func math
-    rlmesh eval ... --n_samples_per_prompt 8 --temperature 0.6          (pass@1 averaged over 8, and pass@8)
-    rlmesh eval --rollout_addresses H:P --reward_addresses H:P --dataset ...   (services already running)
-
-Without addresses it starts one rollout service (vLLM, or --rollout_engine hf) and one reward service
-on this machine and stops them at the end. A sample counts as solved when the reward source says so
-(the math rule's `accuracy`), otherwise when its reward is at least --pass_reward. Results are
-reported overall and per data source (rows' `datasource` / `data_source` field, else the file name),
-printed as JSON and written to --output when given.
-
-`evaluate()` is the same computation for callers that already hold the services (the training loop);
-`evaluate_episodes()` its form for agent runs (--agent_func_path), where a sample is a multi-turn episode.
+`evaluate()` generates n samples per prompt through a RolloutPool and scores them with the caller's
+Score function (the loop's scoring pool); `evaluate_episodes()` is its form for agent runs
+(--agent_func_path), where a sample is a multi-turn episode. A sample counts as solved when the reward
+source says so (the math rule's `accuracy`), otherwise when its reward is at least `pass_reward`.
+Results are reported overall and per data source (rows' `datasource` / `data_source` field, else the
+file name). The standalone command over the same computation is `rlmesh eval`
+(services.coordinator.cli.eval_cli).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import math
-import pathlib
-import sys
 import time
 from collections import defaultdict
-from typing import ClassVar
 
 from rlmesh.rollout.v1 import rollout_pb2
-from services.common.config import ConfigError, opt, parse_config
-from services.common.paths import absolute_paths, resolve_path_fields
-from services.common.datasets import DatasetError, load_prompts
+from services.common.datasets import load_prompts
 from services.common.log import get_logger, log_event
 from services.common.tensors import from_proto
 from services.coordinator.loop.data import Prompt
@@ -254,172 +243,3 @@ def load_eval_prompts(paths: str, tokenizer, input_key: str, label_key: str, app
     encoded = tokenizer([r.prompt for r in rows], add_special_tokens=not apply_chat_template)["input_ids"]
     return [Prompt(f"{r.datasource}-{r.index}", r.prompt, tuple(ids), r.label, r.datasource)
             for r, ids in zip(rows, encoded)]
-
-
-# ----------------------------------------------------------------------------------------------
-# `rlmesh eval`
-
-
-@dataclasses.dataclass
-class EvalConfig:
-    """Evaluates a model on labelled prompts through the rollout and reward services (pass@1, pass@n)."""
-
-    # simpleRL-reason's `python eval/math_eval.py --model_path DIR` names the model differently.
-    UNSUPPORTED_FLAGS: ClassVar[dict[str, str]] = {"model_path": "rlmesh eval takes the model folder as --pretrain DIR"}
-
-    pretrain: str = opt("", "local model folder: served by the rollout service this command starts, and the "
-                        "tokenizer of the prompts (with --rollout_addresses only its tokenizer is read)")
-    dataset: str = opt("", "evaluation prompts: JSONL / Parquet / Arrow files or save_to_disk folders, comma separated")
-    input_key: str = opt("input", "field of the prompt text (or chat message list)")
-    label_key: str = opt("label", "field of the reference answer")
-    apply_chat_template: bool = opt(False, "format prompts with the tokenizer's chat template")
-    input_template: str = opt("", "format string with {} for the prompt, e.g. 'Question: {}\\nAnswer:'")
-    max_samples: int = opt(1_000_000_000, "evaluate at most this many prompts (the first ones)")
-    prompt_max_len: int = opt(1024, "longer prompts are skipped (and counted in the log)")
-    generate_max_len: int = opt(1024, "most tokens generated per response")
-    n_samples_per_prompt: int = opt(1, "samples per prompt: pass@1 is their mean; pass@n is reported when n > 1")
-    temperature: float = opt(0.0, "sampling temperature; 0 = greedy")
-    top_p: float = opt(1.0, "nucleus sampling")
-    seed: int = opt(42, "sampling seed")
-    reward_func: str = opt("", "built-in rule reward: math, exact_match or format")
-    reward_pretrain: str = opt("", "local reward model folder instead of a rule")
-    remote_rm_url: str = opt("", "reward server URL(s) or a Python file defining reward_func, instead of a rule")
-    pass_reward: float = opt(1.0, "a sample counts as solved at this reward or more, unless the reward source "
-                             "reports its own verdict (the math rule's accuracy)")
-    rollout_addresses: list[str] = opt([], "host:port of running rollout services (the model they hold is evaluated)")
-    reward_addresses: list[str] = opt([], "host:port of running reward services")
-    rollout_engine: str = opt("vllm", "engine of the rollout service this command starts", choices=["vllm", "hf"])
-    device: str = opt("auto", "device of the services this command starts", choices=["auto", "cpu", "cuda"])
-    vllm_gpu_memory_utilization: float = opt(0.0, "fraction of GPU memory vLLM may use; 0 = 0.9 on GPU, 0.1 on CPU")
-    run_dir: str = opt("runs/eval", "folder of the started services' logs")
-    output: str = opt("", "also write the metrics as JSON to this file")
-    service_start_timeout_s: float = opt(900.0, "how long to wait for a started service to report SERVING")
-    rpc_timeout_s: float = opt(1800.0, "deadline of the Generate and Score calls")
-
-    def validate(self) -> None:
-        # The services this command starts run elsewhere than the user's working directory.
-        resolve_path_fields(self, inputs=("pretrain", "dataset", "reward_pretrain"), outputs=("run_dir",))
-        self.remote_rm_url = absolute_paths(self.remote_rm_url, "remote_rm_url")
-        if not self.pretrain or not pathlib.Path(self.pretrain).is_dir():
-            raise ConfigError(f"--pretrain {self.pretrain!r}: give a local model folder (its tokenizer encodes the "
-                              "prompts, and without --rollout_addresses it is the model evaluated)")
-        if not self.dataset:
-            raise ConfigError("--dataset is required: local JSONL / Parquet / Arrow file(s) or save_to_disk folder(s)")
-        sources = [n for n in ("reward_func", "reward_pretrain", "remote_rm_url") if getattr(self, n)]
-        if not self.reward_addresses and len(sources) != 1:
-            raise ConfigError("give exactly one reward source (--reward_func math, --reward_pretrain DIR or "
-                              f"--remote_rm_url URL) or --reward_addresses; got {sources or 'none'}")
-        if self.n_samples_per_prompt < 1:
-            raise ConfigError(f"--n_samples_per_prompt {self.n_samples_per_prompt} must be >= 1")
-        if self.temperature < 0:
-            raise ConfigError(f"--temperature {self.temperature} must be >= 0 (0 = greedy)")
-        if self.n_samples_per_prompt > 1 and self.temperature == 0:
-            raise ConfigError("--n_samples_per_prompt > 1 with --temperature 0 gives n identical samples; "
-                              "set --temperature (e.g. 0.6) or use one sample")
-        if self.device == "auto":
-            import torch
-
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.vllm_gpu_memory_utilization == 0:
-            self.vllm_gpu_memory_utilization = 0.9 if self.device == "cuda" else 0.1
-
-
-def rollout_service_argv(config: EvalConfig) -> list[str]:
-    argv = ["--pretrain", config.pretrain, "--engine", config.rollout_engine,
-            "--gpu_memory_utilization", str(config.vllm_gpu_memory_utilization),
-            "--max_model_len", str(config.prompt_max_len + config.generate_max_len), "--seed", str(config.seed)]
-    if config.rollout_engine == "hf":
-        argv += ["--hf_device", config.device]
-    return argv
-
-
-def reward_service_argv(config: EvalConfig) -> list[str]:
-    argv = ["--device", config.device]
-    if config.reward_pretrain:
-        return argv + ["--reward_pretrain", config.reward_pretrain]
-    if config.remote_rm_url:
-        return argv + ["--remote_rm_url", config.remote_rm_url]
-    return argv + ["--reward_func", config.reward_func]
-
-
-class BalancedScorer:
-    """Spreads Score calls over reward services: each batch goes to the one with the fewest in flight."""
-
-    def __init__(self, addresses: list[str], timeout_s: float):
-        from services.reward.client import RewardClient
-
-        self.clients = [RewardClient(a, timeout_s=timeout_s) for a in addresses]
-        self.in_flight = [0] * len(self.clients)
-
-    async def __call__(self, batch: ScoreBatch):
-        i = min(range(len(self.clients)), key=lambda k: (self.in_flight[k], k))
-        self.in_flight[i] += 1
-        try:
-            return await self.clients[i].score(batch, request_id="eval")
-        finally:
-            self.in_flight[i] -= 1
-
-    async def close(self) -> None:
-        await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
-
-
-async def run_eval(config: EvalConfig) -> dict[str, float]:
-    """Starts the services that were not given, evaluates, stops what it started."""
-    from transformers import AutoTokenizer
-
-    from services.coordinator.fleet.launcher import spawn_service, stop_all, wait_until_ready
-
-    tokenizer = AutoTokenizer.from_pretrained(config.pretrain)
-    try:
-        prompts = load_eval_prompts(config.dataset, tokenizer, config.input_key, config.label_key,
-                                    config.apply_chat_template, config.input_template, config.prompt_max_len,
-                                    config.max_samples, config.seed)
-    except DatasetError as exc:
-        raise ConfigError(str(exc)) from exc
-    log_dir = pathlib.Path(config.run_dir) / "logs"
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1"} if config.device == "cpu" else {}
-    started = []
-    if not config.rollout_addresses:
-        started.append(spawn_service("eval-rollout", "services.rollout", rollout_service_argv(config), log_dir, env=env))
-    if not config.reward_addresses:
-        started.append(spawn_service("eval-reward", "services.reward", reward_service_argv(config), log_dir, env=env))
-    pool = scorer = None
-    try:
-        await asyncio.gather(*(wait_until_ready(s, config.service_start_timeout_s) for s in started))
-        by_name = {s.name: s.address for s in started}
-        rollout = config.rollout_addresses or [by_name["eval-rollout"]]
-        reward = config.reward_addresses or [by_name["eval-reward"]]
-        pool = RolloutPool(rollout, config.rpc_timeout_s)
-        scorer = BalancedScorer(reward, config.rpc_timeout_s)
-        versions = {info.weight_version for info in await pool.model_infos()}
-        if len(versions) != 1:
-            raise RuntimeError(f"the rollout services hold different weight versions {sorted(versions)}; "
-                               "evaluate one model at a time")
-        sampling = rollout_pb2.SamplingOptions(temperature=config.temperature, top_p=config.top_p,
-                                               max_tokens=config.generate_max_len, return_text=True)
-        return await evaluate(pool, scorer, prompts, config.n_samples_per_prompt, sampling, versions.pop(),
-                              config.seed, config.pass_reward, decoder=QueryDecoder(tokenizer))
-    finally:
-        if pool is not None:
-            await pool.close()
-        if scorer is not None:
-            await scorer.close()
-        await asyncio.to_thread(stop_all, started, 30.0)
-
-
-def main(argv: list[str] | None = None) -> int:
-    config = parse_config(EvalConfig, argv, description=EvalConfig.__doc__)
-    try:
-        metrics = asyncio.run(run_eval(config))
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    text = json.dumps(metrics, indent=1, sort_keys=True)
-    print(text)
-    if config.output:
-        pathlib.Path(config.output).write_text(text + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
