@@ -164,25 +164,25 @@ class Recovery:
         over every member and a new version pushed to all. Otherwise a catch-up: a group of the
         waiting engines alone gets `version`, the one the others hold (0: nothing was pushed yet,
         so a fresh engine already holds it); the next push rebuilds the group over everyone."""
-        t, members = self.t, self.members
+        t, handle = self.t, self.members
         async with self._sync_lock:
             members = self._members()
             waiting = [e for e in members if e.syncing]
             if version is not None and not waiting:
                 return {}
             if waiting:
-                infos = await members.engine_infos(waiting)
+                infos = await handle.engine_infos(waiting)
                 for engine, info in zip(waiting, infos):
                     engine.tensor_parallel_size = max(1, info.tensor_parallel_size)
             group = members if version is None else waiting
             # A new rendezvous port: the learner's store of the old group may still hold the old one.
-            master = await self.sup.placement.weight_sync_master(members.current_endpoints())
-            await members.build_weight_group(group, master)
+            master = await self.sup.placement.weight_sync_master(handle.current_endpoints())
+            await handle.build_weight_group(group, master)
             metrics = {}
             if version is None or version > 0:
                 metrics = await t.push_weights(group, version or 0)
             else:
-                infos = await members.engine_infos(waiting)
+                infos = await handle.engine_infos(waiting)
                 for engine, info in zip(waiting, infos):
                     if info.weight_version != 0 or info.weights_state != rollout_pb2.WEIGHTS_STATE_READY:
                         raise RuntimeError(f"restarted rollout {engine.index} ({engine.address}) holds version "
