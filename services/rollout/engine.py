@@ -3,7 +3,8 @@
 Two implementations: `VllmEngine` (vLLM's AsyncLLM inside the service process; its workers run
 in their own processes) and `HfEngine` (transformers, one device, for machines without vLLM).
 The servicer (server.py) owns validation, weight versions, checksums and locking; an engine only
-generates, receives weight buckets into its model, and sleeps.
+generates, receives weight buckets into its model, and sleeps. engines.py builds the one --engine
+selects; this module imports neither implementation (they import it).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.weights import DigestEntry, ParamSlot
-from services.rollout.config import RolloutConfig
 
 
 @dataclass(frozen=True)
@@ -211,13 +211,3 @@ def checkpoint_digests(model_dir: str | pathlib.Path, dtype: torch.dtype) -> dic
                 entries[name] = DigestEntry(t.dtype, tuple(t.shape), tensor_digest(t))
     return entries
 
-
-def build_engine(config: RolloutConfig) -> Engine:
-    """The engine --engine selects (imports vLLM only when it is used)."""
-    if config.engine == "vllm":
-        from services.rollout.vllm_engine import VllmEngine
-
-        return VllmEngine(config)
-    from services.rollout.hf_engine import HfEngine
-
-    return HfEngine(config)

@@ -34,7 +34,8 @@ from services.common.tensors import to_proto
 from services.common.weights import BACKEND_NAMES, WIRE_DTYPES, DigestEntry, combine_digests
 from services.rollout import metrics
 from services.rollout.config import RolloutConfig
-from services.rollout.engine import Engine, SampleResult, SampleSpec, build_engine
+from services.rollout.engine import Engine, SampleResult, SampleSpec
+from services.rollout.engines import build_engine
 from services.rollout.requests import PushProgress, check_generate_shape, parse_sampling, parse_update, prepare_prompts
 
 SERVICE_NAME = "rlmesh.rollout.v1.RolloutService"
