@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+from collections.abc import Callable
 
 
 def fsync_path(path: pathlib.Path) -> None:
@@ -13,13 +14,22 @@ def fsync_path(path: pathlib.Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: pathlib.Path, data: bytes | str) -> None:
-    """tmp + fsync + rename + fsync of the folder: readers see the old file or the whole new one."""
+def temporary_name(path: pathlib.Path, pid: int | str | None = None) -> pathlib.Path:
+    """Where write_atomic writes `path` before renaming it: `.<name>.tmp-<pid>` beside it."""
     path = pathlib.Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    return path.with_name(f".{path.name}.tmp-{os.getpid() if pid is None else pid}")
+
+
+def write_atomic(path: pathlib.Path, data: bytes | str, before_rename: Callable[[], None] | None = None) -> None:
+    """tmp + fsync + rename + fsync of the folder: readers see the old file or the whole new one.
+    before_rename runs between the two (services/common/crash_points.py names that moment)."""
+    path = pathlib.Path(path)
+    tmp = temporary_name(path)
     with open(tmp, "wb") as f:
         f.write(data.encode("utf-8") if isinstance(data, str) else data)
         f.flush()
         os.fsync(f.fileno())
+    if before_rename is not None:
+        before_rename()
     os.replace(tmp, path)
     fsync_path(path.parent)

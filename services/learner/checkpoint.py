@@ -24,7 +24,7 @@ import time
 from services.common import ownership
 from services.common.durable import fsync_path, write_atomic
 
-MARKER = "learner.json"
+MARKER = ownership.CHECKPOINT_MARKER  # learner.json
 CLIENT_STATE = "client_state.bin"
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
 

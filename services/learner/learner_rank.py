@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from services.common import rl_math
+from services.common.crash_points import crash_point
 from services.common.errors import failed_precondition
 from services.common.log import get_logger, log_event
 from services.common.logprobs import sequence_logprobs, token_logprobs
@@ -205,10 +206,13 @@ class LearnerRank:
                 t0 = time.perf_counter()
                 mb = collate(micro, packed=self.config.packing_samples).to(self.device)
                 loss, stats = micro_loss(mb, step)
+                crash_point("learner.rank.forward_done")
                 t1 = time.perf_counter()
                 engine.backward(loss * (gas * world))
+                crash_point("learner.rank.backward_done")
                 t2 = time.perf_counter()
                 engine.step()
+                crash_point("learner.rank.step_done")
                 t3 = time.perf_counter()
                 timing["forward"] += t1 - t0
                 timing["backward"] += t2 - t1
@@ -289,15 +293,19 @@ class LearnerRank:
 
     def init_weight_transfer(self, payload: dict) -> None:
         self.sender.init(**payload)
+        crash_point("learner.push.group_built")
 
     def push_chunk(self, payload: dict) -> tuple[dict, list[bytes]]:
         chunk: Chunk = payload["chunk"]
-        return self.sender.send_chunk(self.actor.module, self.config.zero_stage == 3, chunk)
+        sent = self.sender.send_chunk(self.actor.module, self.config.zero_stage == 3, chunk)
+        crash_point("learner.push.chunk_sent")
+        return sent
 
     def push_done(self, payload: dict) -> None:
         self.sender.release()
         if payload.get("version") is not None:
             self.weight_version = int(payload["version"])
+            crash_point("learner.push.version_committed")
 
     # ------------------------------------------------------------------------------------------
     # Checkpoints and export
@@ -314,9 +322,11 @@ class LearnerRank:
             (folder / checkpoint.MARKER).unlink(missing_ok=True)
             ownership.make_owned_dir(folder, "checkpoint")  # the server checked root and folder (ownership)
             checkpoint.write_atomic(folder / checkpoint.CLIENT_STATE, payload["client_state"])
+            crash_point("learner.checkpoint.client_state_written")
         dist.barrier()
         for name, engine in self._engines().items():
             engine.save_checkpoint(str(folder), tag=name, save_latest=False)
+            crash_point("learner.checkpoint.model_written")
         # Each rank fsyncs what is there (its own shards included) before rank 0 writes the marker.
         checkpoint.fsync_tree(folder)
         dist.barrier()
@@ -325,7 +335,9 @@ class LearnerRank:
             marker = checkpoint.marker_contents(self.spec.world_size, self.config.zero_stage,
                                                 list(self._engines()), payload["global_step"])
             checkpoint.write_atomic(folder / checkpoint.MARKER, marker)
+            crash_point("learner.checkpoint.marker_renamed")
             removed = checkpoint.prune(root, payload["max_ckpt_num"], folder)
+            crash_point("learner.checkpoint.pruned")
         return {"path": str(folder), "removed": removed}
 
     def load_checkpoint(self, payload: dict) -> dict:

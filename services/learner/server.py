@@ -15,6 +15,7 @@ import torch
 from rlmesh.common.v1 import common_pb2
 from rlmesh.learner.v1 import learner_pb2, learner_pb2_grpc
 from services.common import weights
+from services.common.crash_points import crash_point
 from services.common.errors import ServiceError, failed_precondition, handle_errors, invalid_argument
 from services.common.log import get_logger, log_event
 from services.common.tensors import ragged_to_proto
@@ -405,6 +406,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                         results = await self._run("push_chunk", payload)
                     entries.update(results[0][0])
                     ack = await anext(requests, None)
+                    crash_point("learner.push.chunk_acknowledged")
                     if ack is None or ack.WhichOneof("message") != "ack" or ack.ack.chunk_index != index:
                         await self._run("push_done", [{"version": None}] * self.world)
                         raise invalid_argument("ack", f"chunk {index}", "expected PushWeightsRequest.ack for this "

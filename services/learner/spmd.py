@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from services.common import rendezvous
+from services.common.crash_points import crash_point
 from services.common.errors import ServiceError
 from services.common.log import get_logger, log_event
 
@@ -314,6 +315,8 @@ def serve_worker(spec: RankSpec, store: dist.TCPStore, setup: Callable[[], tuple
                 CANCEL.begin(store, seq, spec.rank)
                 result = execute(name, payload)
             data = pickle.dumps(result)
+            if seq > 1:
+                crash_point("learner.rank.result_ready")
             store.set(f"status/{seq}/{spec.rank}", store_message("ok", len(data)))
             if seq > 1:  # rank 0 collects setup's statuses only
                 _send_bytes(data, 0, group, tag=seq)

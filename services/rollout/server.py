@@ -27,6 +27,7 @@ import torch
 from transformers import AutoTokenizer
 
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from services.common.crash_points import crash_point
 from services.common.errors import ServiceError, failed_precondition, handle_errors, invalid_argument
 from services.common.log import get_logger, log_event
 from services.common.server import ServiceRunner
@@ -257,6 +258,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                                        f"{request.master_port} failed: {exc}; fix: start the learner's side of the "
                                        "group (open_weight_group) at the same time, then call again") from exc
                 self.backend = backend
+            crash_point("rollout.push.group_built")
             return rollout_pb2.InitWeightTransferResponse(ranks=ranks)
 
     def _check_init(self, request: rollout_pb2.InitWeightTransferRequest) -> str:
@@ -340,6 +342,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.push.received.update(digests)
         self.push.next_chunk += 1
         received = len(self.push.received)
+        crash_point("rollout.push.chunk_received")
         if not chunk.final:
             return rollout_pb2.UpdateWeightsResponse(weight_version=self.version, received_params=received,
                                                      duration_s=elapsed)
@@ -351,6 +354,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         metrics.WEIGHT_VERSION.set(version)
         await self._unfreeze(version)
         log_event(log, "weights.update.done", version=version, checksum=self.checksum, seconds=f"{elapsed:.3f}")
+        crash_point("rollout.push.version_committed")
         return rollout_pb2.UpdateWeightsResponse(weight_version=version, weights_checksum=self.checksum,
                                                  received_params=received, duration_s=elapsed)
 

@@ -104,6 +104,7 @@ def spawn_service(name: str, module: str, argv: list[str], log_dir: pathlib.Path
     command = [sys.executable, "-m", module, "--host", host, "--port", "0", "--ready_file", str(ready_file), *argv]
     launch = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command[1:]]
     child_env = {**os.environ, **(env or {})}
+    child_env["RLMESH_SERVICE"] = name  # the process's name for services/common/crash_points.py's filter
     # The service imports `services` and the generated `rlmesh` package from the repository.
     child_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(REPO_ROOT), str(REPO_ROOT / "protos"), child_env.get("PYTHONPATH", "")) if p)

@@ -27,6 +27,7 @@ import asyncio
 import re
 
 from rlmesh.rollout.v1 import rollout_pb2
+from services.common.crash_points import crash_point
 from services.coordinator.loop.run_state import ServiceEntry
 from services.coordinator.fleet.supervisor import RECOVERED_SAMPLES, REDONE_STEPS, SERVING, SYNCING, Instance, Supervisor
 
@@ -193,6 +194,7 @@ class Recovery:
                 instance.state, instance.weight_version = SERVING, t.weight_version()
                 self.sup.event("rollout.admitted", service=instance.name, address=engine.address,
                                version=t.weight_version())
+                crash_point("coordinator.push.engine_admitted")
             return metrics
 
     def _group_stale(self) -> bool:

@@ -23,6 +23,7 @@ import pathlib
 import shutil
 
 from services.common import ownership
+from services.common.crash_points import crash_point
 from services.common.durable import write_atomic
 
 LATEST = "latest"
@@ -86,8 +87,11 @@ def commit(ckpt_path: str | os.PathLike, state: CoordinatorState, max_ckpt_num: 
     folder = step_dir(root, state.global_step)
     ownership.make_owned_dir(folder, "checkpoint")  # the learner's save made it, unless it saves nothing
     write_atomic(folder / STATE_FILE, state.to_json())
+    crash_point("coordinator.checkpoint.state_written")
     write_atomic(root / LATEST, f"global_step_{state.global_step}\n")
+    crash_point("coordinator.checkpoint.latest_updated")
     prune(root, max_ckpt_num)
+    crash_point("coordinator.checkpoint.pruned")
     return folder
 
 

@@ -31,6 +31,7 @@ from rlmesh.common.v1 import common_pb2
 from rlmesh.coordinator.v1 import coordinator_pb2 as cpb
 from rlmesh.learner.v1 import learner_pb2, learner_pb2_grpc
 from rlmesh.rollout.v1 import rollout_pb2
+from services.common.crash_points import crash_point
 from services.common.client import make_channel
 from services.common.log import get_logger, log_event
 from services.coordinator.config import CoordinatorConfig
@@ -274,12 +275,14 @@ class Trainer:
             if self.colocation.rollout_sleeps:
                 times["rollout_sleep"] = await self.colocation.sleep_rollout()  # the last part of "generate"
             times["generate"] = time.monotonic() - t0
+            crash_point("coordinator.step.generated")
             # ---- wait for the remaining scores and log-probs ----
             self.control.set_phase(cpb.PHASE_SCORING)
             t0 = time.monotonic()
             times["learner_reload"] = await self.colocation.reload_learner()  # the first part of "score"
             await (collector.wait_scores() if defer_logprobs else collector.finish())
             times["score"] = time.monotonic() - t0
+            crash_point("coordinator.step.scored")
         except BaseException:
             self.lost_samples = len(collector.all_samples())
             await collector.cancel()
@@ -314,12 +317,14 @@ class Trainer:
                                           self.use_critic) if batch["count"] else {}
         self.trained_step = step
         times["train"] = time.monotonic() - t0
+        crash_point("coordinator.step.trained")
         # ---- push ----
         self.control.set_phase(cpb.PHASE_PUSHING_WEIGHTS)
         t0 = time.monotonic()
         push = self.push_weights if self.recovery is None else self.recovery.push_weights
         push_metrics = await push() if batch["count"] else {}
         times["push"] = time.monotonic() - t0
+        crash_point("coordinator.step.pushed")
         # ---- bookkeeping ----
         self.state.global_step = step
         # Where the data stood after this step's prompts (async: later steps have taken more since).
@@ -425,6 +430,7 @@ class Trainer:
                 step = await self.recovery.recover(exc, step)
                 continue
             step += 1
+            crash_point("coordinator.step.done")
             c.global_step, c.episode = step, self.state.episode
             # The learner sleeps until the next step's log-probs (after any checkpoint). Outside the
             # step's own time/step_s, and the GPU waits for it: reported as time/learner_offload_s.

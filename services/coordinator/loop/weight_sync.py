@@ -22,6 +22,7 @@ import grpc
 from rlmesh.common.v1 import common_pb2
 from rlmesh.learner.v1 import learner_pb2
 from rlmesh.rollout.v1 import rollout_pb2
+from services.common.crash_points import crash_point
 from services.common.log import get_logger, log_event
 from services.common.tasks import gather_or_cancel
 
@@ -100,6 +101,7 @@ class WeightSync:
                 rank_offset=offset, group_name=group, timeout_s=GROUP_TIMEOUT_S), timeout=GROUP_TIMEOUT_S + 60.0))
             offset += engine.tensor_parallel_size
         await gather_or_cancel(calls)
+        crash_point("coordinator.push.group_built")
         self.group_engines = list(engines)
         log_event(_log, "weights.group_ready", backend=backend, master=f"{host}:{port}", world_size=world_size)
 
@@ -127,7 +129,9 @@ class WeightSync:
                 if message.HasField("chunk"):
                     update = message.chunk.update
                     update.pause_generation = self.config.partial_rollout  # running generations continue on it
+                    crash_point("coordinator.push.chunk_from_learner")
                     replies = await gather_or_cancel([e.stub.UpdateWeights(update, timeout=timeout) for e in engines])
+                    crash_point("coordinator.push.chunk_relayed")
                     await requests.put(learner_pb2.PushWeightsRequest(
                         ack=learner_pb2.PushWeightsAck(chunk_index=update.chunk_index)))
                 else:
@@ -154,6 +158,7 @@ class WeightSync:
                                       f"{reply.weight_version} checksum {reply.weights_checksum!r} to a push of version "
                                       f"{version} checksum {done.weights_checksum!r}")
         await self.verify(version, done.weights_checksum, engines)
+        crash_point("coordinator.push.version_committed")
         return {"weights/version": version, "weights/push_s": time.monotonic() - t0, "weights/bytes": done.bytes,
                 "weights/learner_push_s": done.duration_s}
 
