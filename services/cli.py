@@ -9,6 +9,7 @@
     rlmesh sft|rm|dpo|eval|plot ...                              offline trainers and tools
     rlmesh scale rollout|reward N --run_dir RUN                  more or fewer instances of a running run
     rlmesh control status|pause|resume|stop --run_dir DIR        steer a running training run
+    rlmesh cluster up|join|kill|status|down                      a multi-node Ray cluster on this machine
     rlmesh make-tiny-model OUT / make-data OUT                   local tiny models and data
 """
 
@@ -27,6 +28,7 @@ COMMANDS = {
     "control": ("services.coordinator.cli.control_cli", "main", "status, pause, resume or stop a running training run"),
     "plot": ("services.coordinator.cli.plot", "main", "PNG curves of a run folder's metrics.jsonl"),
     "scale": ("services.coordinator.cli.scale_cli", "main", "add or remove rollout / reward instances of a running run"),
+    "cluster": ("services.coordinator.cli.cluster_cli", "main", "a Ray cluster of several nodes on this machine (127.0.0.2, ...)"),
     "make-tiny-model": ("services.common.tiny", "main_make_tiny_model", "build a tiny random model with a local tokenizer"),
     "make-data": ("services.common.tiny", "main_make_data", "write the local arithmetic / SFT / preference data sets"),
 }
