@@ -24,6 +24,8 @@ import urllib.request
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from services.common.ready_file import ServiceStartError, wait_for_ready_file, write_ready_file  # noqa: E402
+
 
 def serve_http(latency_s: float, ready_file: str) -> None:
     """The fixed-latency HTTP reward server: reward 1 when the label is in the query."""
@@ -42,7 +44,7 @@ def serve_http(latency_s: float, ready_file: str) -> None:
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        pathlib.Path(ready_file).write_text(json.dumps({"port": site._server.sockets[0].getsockname()[1]}))
+        write_ready_file(ready_file, {"port": site._server.sockets[0].getsockname()[1]})
         await asyncio.Event().wait()
 
     asyncio.run(main())
@@ -51,14 +53,11 @@ def serve_http(latency_s: float, ready_file: str) -> None:
 def start(argv: list[str], ready: pathlib.Path, log: pathlib.Path) -> tuple[subprocess.Popen, dict]:
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"{argv[:2]} did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.05)
-    time.sleep(0.05)  # the ready file is written in one call; let it land
-    return proc, json.loads(ready.read_text())
+    try:
+        return proc, wait_for_ready_file(ready, proc, 120, name=" ".join(argv[:2]), log_path=log, poll_s=0.05)
+    except ServiceStartError as exc:
+        proc.kill()
+        raise SystemExit(str(exc)) from None
 
 
 def samples(n: int) -> tuple[list[str], list[str], list[str]]:

@@ -164,6 +164,7 @@ class Service:
 
         from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
         from services.common.client import make_sync_channel
+        from services.common.ready_file import ServiceStartError, wait_for_ready_file
         from services.common.tensors import to_proto
 
         ready = work / "service.ready"
@@ -178,13 +179,13 @@ class Service:
         self.log = open(work / "service.log", "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        deadline = time.monotonic() + 900
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"the rollout service did not start; see {work / 'service.log'}")
-            time.sleep(0.5)
-        self.channel = make_sync_channel(json.loads(ready.read_text())["address"], default_timeout_s=1800)
+        try:
+            info = wait_for_ready_file(ready, self.proc, 900, name="the rollout service",
+                                       log_path=work / "service.log", poll_s=0.5)
+        except ServiceStartError:
+            self.close()
+            raise
+        self.channel = make_sync_channel(info["address"], default_timeout_s=1800)
         self.stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
         prompts = make_prompts(args)
         per_call = -(-len(prompts) // args.calls)

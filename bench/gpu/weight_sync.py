@@ -276,13 +276,15 @@ class Service:
         self.address = ""
 
     def wait(self, timeout_s: float = 900):
-        deadline = time.monotonic() + timeout_s
-        while not self.ready.exists():
-            if self.popen.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"{self.log.name} did not start:\n{self.log.read_text()[-6000:]}")
-            time.sleep(0.2)
-        self.address = json.loads(self.ready.read_text())["address"]
+        from services.common.ready_file import ServiceStartError, wait_for_ready_file
+
+        try:
+            info = wait_for_ready_file(self.ready, self.popen, timeout_s, log_path=self.log, poll_s=0.2,
+                                       tail_lines=80)
+        except ServiceStartError:
+            self.stop()
+            raise
+        self.address = info["address"]
         self.channel = self._grpc.insecure_channel(self.address, options=[
             ("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)])
         return self

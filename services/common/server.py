@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from services.common.config import ConfigError, opt
 from services.common.log import get_logger, log_event
 from services.common.metrics import start_metrics_server
+from services.common.ready_file import write_ready_file
 from services.common.security import TokenAuthInterceptor, check_exposure, read_token_file, resolve_token
 
 MiB = 1024 * 1024
@@ -164,9 +165,7 @@ class ServiceRunner:
         ready = {"service": self.name, "address": f"{host}:{self.port}", "port": self.port,
                  "metrics_port": self.metrics_port, "pid": os.getpid()}
         if cfg.ready_file:
-            tmp = pathlib.Path(cfg.ready_file + ".tmp")
-            tmp.write_text(json.dumps(ready))
-            os.replace(tmp, cfg.ready_file)
+            write_ready_file(cfg.ready_file, ready)
         print("RLMESH_READY " + json.dumps(ready), flush=True)
         log_event(self.log, "server.started", address=ready["address"], metrics_port=self.metrics_port,
                   tls=bool(cfg.tls_cert), mtls=bool(cfg.tls_client_ca), auth_token=bool(self.auth_token))

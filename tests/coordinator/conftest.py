@@ -7,13 +7,13 @@ import os
 import pathlib
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 from rlmesh.coordinator.v1 import coordinator_pb2_grpc
 from services.common.client import make_sync_channel
+from services.common.ready_file import ServiceStartError, wait_for_ready_file
 from services.common.security import ClientCredentials
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -50,14 +50,12 @@ def read_metrics(run_dir: pathlib.Path) -> list[dict]:
 
 
 def wait_for_file(path: pathlib.Path, proc: subprocess.Popen, log_path: pathlib.Path, timeout_s: float) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if proc.poll() is not None:
-            pytest.fail(f"the coordinator exited ({proc.returncode}):\n{log_path.read_text(errors='replace')[-6000:]}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"{path} did not appear within {timeout_s} s")
-        time.sleep(0.2)
-    return json.loads(path.read_text())
+    """The coordinator's (or a service's) ready file, once written; fails the test with the log's end."""
+    try:
+        return wait_for_ready_file(path, proc, timeout_s, name="the coordinator", log_path=log_path, poll_s=0.2,
+                                   tail_lines=80)
+    except ServiceStartError as exc:
+        pytest.fail(str(exc))
 
 
 def control_stub(address: str, run_dir: pathlib.Path | None = None):

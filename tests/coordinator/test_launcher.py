@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from services.common.ready_file import wait_for_ready_file
 from services.coordinator.fleet.launcher import ServiceStartError, spawn_service, stop_all, wait_until_ready
 from tests.coordinator.conftest import REPO, pid_alive
 
@@ -44,10 +45,8 @@ def test_children_die_with_a_killed_parent(tmp_path):
     parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
                               text=True)
     child = json.loads(parent.stdout.readline())["pid"]
-    ready = tmp_path / "echo.ready.json"
-    deadline = time.monotonic() + 60
-    while not ready.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    # The parent is the process watched: it stays up until killed below.
+    wait_for_ready_file(tmp_path / "echo.ready.json", parent, 60, name="the echo service")
     assert pid_alive(child)
     parent.send_signal(signal.SIGKILL)  # no cleanup code runs in the parent
     parent.wait(10)

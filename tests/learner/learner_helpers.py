@@ -4,7 +4,6 @@ random sequences, references computed with plain transformers, and a weight-push
 from __future__ import annotations
 
 import base64
-import json
 import os
 import pathlib
 import queue
@@ -22,6 +21,7 @@ from rlmesh.learner.v1 import learner_pb2 as pb
 from rlmesh.learner.v1 import learner_pb2_grpc as pbg
 from rlmesh.rollout.v1 import rollout_pb2
 from services.common.logprobs import sequence_logprobs
+from services.common.ready_file import ServiceStartError, wait_for_ready_file
 from services.common.tensors import ragged_from_proto, ragged_to_proto, to_proto
 from services.learner.batches import Sample, forward_micro_batches
 from tests.conftest import get_free_port
@@ -66,14 +66,13 @@ def _start_service(tmp: pathlib.Path, module: str, args: tuple[str, ...], timeou
         popen = subprocess.Popen(
             [sys.executable, "-m", module, "--host", "127.0.0.1", "--grace_period_s", "5", "--ready_file", str(ready),
              *args], cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + timeout_s
-    while not ready.exists():
-        if popen.poll() is not None or time.monotonic() > deadline:
-            popen.kill()
-            popen.wait(10)
-            raise RuntimeError(f"{module} did not start:\n{log.read_text()[-6000:]}")
-        time.sleep(0.1)
-    return LearnerProcess(popen, json.loads(ready.read_text()), log)
+    try:
+        info = wait_for_ready_file(ready, popen, timeout_s, log_path=log, tail_lines=80)
+    except ServiceStartError:
+        popen.kill()
+        popen.wait(10)
+        raise
+    return LearnerProcess(popen, info, log)
 
 
 def start_learner(tmp: pathlib.Path, *args: str, timeout_s: float = 420.0) -> LearnerProcess:

@@ -11,6 +11,7 @@ import urllib.request
 
 import pytest
 
+from services.common.ready_file import ServiceStartError, wait_for_ready_file
 from tests.conftest import get_free_port
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -42,14 +43,13 @@ def start_process(argv: list[str], ready_file: pathlib.Path, timeout_s: float = 
     with log.open("w") as out:
         popen = subprocess.Popen([sys.executable, "-m", *argv], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + timeout_s
-    while not ready_file.exists():
-        if popen.poll() is not None or time.monotonic() > deadline:
-            popen.kill()
-            popen.wait(10)
-            raise RuntimeError(f"{argv[0]} did not start:\n{log.read_text()[-4000:]}")
-        time.sleep(0.05)
-    return Proc(popen, json.loads(ready_file.read_text()), log)
+    try:
+        info = wait_for_ready_file(ready_file, popen, timeout_s, log_path=log, poll_s=0.05, tail_lines=60)
+    except ServiceStartError:
+        popen.kill()
+        popen.wait(10)
+        raise
+    return Proc(popen, info, log)
 
 
 def start_http_reward_server(tmp: pathlib.Path) -> Proc:

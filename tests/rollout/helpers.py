@@ -10,7 +10,6 @@ import pathlib
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import grpc
@@ -19,6 +18,7 @@ import torch
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.client import make_sync_channel
 from services.common.logprobs import sequence_logprobs
+from services.common.ready_file import ServiceStartError, wait_for_ready_file
 from services.common.tensors import from_proto, to_proto
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -62,13 +62,12 @@ def start_rollout(model_dir: pathlib.Path, work_dir: pathlib.Path, *args: str, t
            "--port", "0", "--metrics_port", "0", "--ready_file", str(ready), "--grace_period_s", "5", *args]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + timeout_s
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_rollout(proc)
-            raise RuntimeError(f"rollout service did not start:\n{log_path.read_text(errors='replace')[-8000:]}")
-        time.sleep(0.2)
-    info = json.loads(ready.read_text())
+    try:
+        info = wait_for_ready_file(ready, proc, timeout_s, name="rollout service", log_path=log_path, poll_s=0.2,
+                                   tail_lines=100)
+    except ServiceStartError:
+        stop_rollout(proc)
+        raise
     return RolloutProcess(proc, info["address"], info["metrics_port"], log_path)
 
 

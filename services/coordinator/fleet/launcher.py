@@ -11,9 +11,7 @@ ranks) never outlive the run. On Linux each child also gets SIGTERM if this proc
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import json
 import os
 import pathlib
 import signal
@@ -23,13 +21,10 @@ import time
 
 from services.common.client import wait_for_serving
 from services.common.log import get_logger, log_event
+from services.common.ready_file import ServiceStartError, log_tail, wait_for_ready_file_async
 
 _log = get_logger("coordinator")
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-class ServiceStartError(RuntimeError):
-    """A service process exited or did not become ready; the message quotes its log."""
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]  # services/coordinator/fleet/launcher.py
 
 
 # Run as `python -c _DIE_WITH_PARENT <parent pid> -m services.x ...`: asks the kernel for SIGTERM
@@ -46,13 +41,6 @@ if os.getppid() != int(sys.argv[1]):
     sys.exit("the coordinator exited before this service started")
 os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
 """
-
-
-def log_tail(path: pathlib.Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 @dataclasses.dataclass
@@ -74,11 +62,15 @@ class ServiceProcess:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def stop(self, grace_s: float = 30.0) -> int | None:
-        """SIGTERM, wait up to grace_s, then SIGKILL the process group; returns the exit code."""
+    def stop(self, grace_s: float = 30.0, terminated: bool = False) -> int | None:
+        """SIGTERM (unless `terminated`: the caller sent it), wait up to grace_s, then SIGKILL the
+        process group; returns the exit code."""
         if self.alive():
             try:
-                self.process.send_signal(signal.SIGTERM)
+                if not terminated:
+                    # Once only: a second SIGTERM can land after the service has put back the default
+                    # handler on its way out, and kill it (exit code -15) instead of letting it finish.
+                    self.process.send_signal(signal.SIGTERM)
                 self.process.wait(grace_s)
             except subprocess.TimeoutExpired:
                 log_event(_log, "service.kill", service=self.name, pid=self.pid, after_s=grace_s)
@@ -121,15 +113,8 @@ def spawn_service(name: str, module: str, argv: list[str], log_dir: pathlib.Path
 async def wait_until_ready(service: ServiceProcess, timeout_s: float) -> ServiceProcess:
     """Waits for the ready file, then for health SERVING; raises ServiceStartError with the log tail."""
     deadline = time.monotonic() + timeout_s
-    while not service.ready_file.exists():
-        if not service.alive():
-            raise ServiceStartError(f"{service.name} exited with code {service.process.returncode} before it was "
-                                    f"ready; last lines of {service.log_path}:\n{log_tail(service.log_path)}")
-        if time.monotonic() > deadline:
-            raise ServiceStartError(f"{service.name} did not write its ready file within {timeout_s:.0f} s; "
-                                    f"last lines of {service.log_path}:\n{log_tail(service.log_path)}")
-        await asyncio.sleep(0.1)
-    info = json.loads(service.ready_file.read_text())
+    info = await wait_for_ready_file_async(service.ready_file, service.process, timeout_s, name=service.name,
+                                           log_path=service.log_path)
     service.address, service.metrics_port = info["address"], info.get("metrics_port")
     try:
         await wait_for_serving(service.address, max(deadline - time.monotonic(), 5.0))
@@ -150,5 +135,5 @@ def stop_all(services: list[ServiceProcess], grace_s: float = 30.0) -> None:
                 pass
     deadline = time.monotonic() + grace_s
     for service in services:
-        code = service.stop(max(deadline - time.monotonic(), 0.1))
+        code = service.stop(max(deadline - time.monotonic(), 0.1), terminated=True)
         log_event(_log, "service.stopped", service=service.name, pid=service.pid, code=code)
