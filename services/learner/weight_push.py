@@ -20,6 +20,7 @@ import torch
 
 from services.common import weights
 from services.common.errors import ServiceError, failed_precondition
+from services.learner.spmd import CANCEL
 from rlmesh.rollout.v1 import rollout_pb2
 
 
@@ -101,7 +102,7 @@ class WeightSender:
             nonlocal in_flight, send_error
             if in_flight is not None:
                 try:
-                    in_flight.result()
+                    self._wait_sent(in_flight)
                 except Exception as exc:  # noqa: BLE001 - reported once every bucket was gathered
                     send_error = send_error or exc
                 in_flight = None
@@ -140,6 +141,27 @@ class WeightSender:
                                f"broadcasting the weights to the engines failed: {send_error}; call "
                                "InitWeightTransfer on the learner and the engines again, then push")
         return entries, ipc
+
+
+    def _wait_sent(self, in_flight: concurrent.futures.Future) -> None:
+        """Waits for a broadcast; gives it up once the push's caller has gone (spmd.CANCEL).
+
+        A coordinator that dies after the learner's chunk left and before the engines were told
+        (UpdateWeights) leaves this broadcast waiting for receivers that never come, until the group's
+        timeout (300 s). Nobody waits for it any more: the broadcast is abandoned on its thread (it
+        fails by itself at that timeout), the group is dropped, and the next InitWeightTransfer
+        builds a new one at once.
+        """
+        while True:
+            try:
+                in_flight.result(timeout=0.2)
+                return
+            except concurrent.futures.TimeoutError:
+                if CANCEL.requested.is_set():
+                    self._sending.shutdown(wait=False)
+                    self._sending = concurrent.futures.ThreadPoolExecutor(
+                        1, thread_name_prefix="weight-send", initializer=self._sending._initializer)
+                    raise RuntimeError("the push's caller went away mid-broadcast; the broadcast was abandoned")
 
 
 def _gathered(params: list[torch.nn.Parameter], zero3: bool):

@@ -5,6 +5,7 @@ One service process (rank 0 starting rank 1) serves every test of this module; t
 file order and build on each other's state only where they say so.
 """
 
+import time
 import urllib.request
 
 import grpc
@@ -225,6 +226,33 @@ def test_a_push_to_a_vanished_engine_fails_and_the_learner_keeps_serving(learner
     seqs, starts = random_sequences(3, plain_model.config.vocab_size, seed=7)
     assert len(logprobs(learner.stub, seqs, starts)) == 3  # still serving, ranks in step
     assert learner.stub.GetInfo(pb.GetInfoRequest(), timeout=10).weight_version == 7
+
+
+def test_a_push_whose_caller_died_mid_chunk_frees_the_learner_at_once(learner, tmp_path):
+    """The coordinator takes a chunk and dies before any engine asks for it (UpdateWeights): the
+    learner's broadcast waits for receivers that never come. It gives that broadcast up when the
+    call goes, so a new group and push (the coordinator's rerun) run within seconds, not after the
+    group's timeout (120 s here, 300 s in a run)."""
+    stale = WeightListener(tmp_path)
+    try:
+        init_transfer(learner.stub, stale)
+        start = pb.PushWeightsRequest(start=pb.PushWeightsStart(version=20, weights_dtype=common_pb2.DTYPE_FLOAT32))
+        call = learner.stub.PushWeights(iter([start]), timeout=300)
+        assert next(call).HasField("chunk")  # the chunk is out; the "coordinator" now goes away
+        call.cancel()
+        t0 = time.monotonic()
+        fresh = WeightListener(tmp_path)
+        try:
+            init_transfer(learner.stub, fresh)
+            done, _, checksum, _ = push_weights(learner.stub, fresh, version=21)
+        finally:
+            fresh.close()
+        seconds = time.monotonic() - t0
+    finally:
+        stale.close()
+    assert done.version == 21 and done.weights_checksum == checksum
+    assert seconds < 60, f"the new group and push took {seconds:.0f} s"
+    assert learner.stub.GetInfo(pb.GetInfoRequest(), timeout=10).weight_version == 21
 
 
 def test_offload_blocks_model_calls_until_reload(learner, plain_model):
