@@ -6,6 +6,9 @@
 # not on PyPI (PyPI's torch is the CUDA build). A wheel already reachable without an index (pip's
 # find-links, e.g. a local wheel folder) is used first; otherwise the index is added for the two
 # installs that need it. RLMESH_TORCH_INDEX names a mirror of that index.
+# Every install reads the lock, scripts/constraints.txt (pip constraints: each package of the set-up
+# at an exact version), so the same commit installs the same packages; `bash scripts/lock.sh`
+# refreshes it (it runs this script with RLMESH_LOCK=0: the newest releases allowed below).
 # RLMESH_SETUP_DEV=0 leaves out the test and development packages (the images do);
 # RLMESH_SETUP_PROJECT=0 installs only the dependencies, not rlmesh itself.
 set -euo pipefail
@@ -14,8 +17,13 @@ VENV=${RLMESH_VENV:-.venv}
 TORCH_INDEX=${RLMESH_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 TORCH_PIN="torch==2.13.0+cpu"
 STAMP="$VENV/.rlmesh-setup-stamp"
+LOCK=scripts/constraints.txt
+if [ "${RLMESH_LOCK:-1}" != 0 ]; then
+  [ -f "$LOCK" ] || { echo "[setup] error: $LOCK (the lock) is missing; restore it from git, or make one: bash scripts/lock.sh" >&2; exit 1; }
+  export PIP_CONSTRAINT="$PWD/$LOCK"
+fi
 # (The image build runs this without pyproject.toml: RLMESH_SETUP_PROJECT=0 below.)
-want=$(cat scripts/setup.sh $(ls pyproject.toml 2>/dev/null) | sha256sum | cut -c1-16)
+want=$(cat scripts/setup.sh $(ls pyproject.toml "$LOCK" 2>/dev/null) | sha256sum | cut -c1-16)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   exit 0
 fi
@@ -56,7 +64,9 @@ $PIP install "deepspeed==0.19.8" "ray[default]==2.60.0" "grpcio>=1.70" \
   "matplotlib" "tqdm"
 if [ "${RLMESH_SETUP_DEV:-1}" != 0 ]; then
   # kubernetes-validate: the deploy tests check the Kubernetes manifests against its bundled schemas.
-  $PIP install "grpcio-tools>=1.70" "tensorboard" "pytest" "pytest-timeout" "kubernetes-validate==1.37.0"
+  # pytest-randomly: the suite runs in a shuffled order (a test that needs another's leftovers fails).
+  $PIP install "grpcio-tools>=1.70" "tensorboard" "pytest" "pytest-timeout" "pytest-randomly" \
+    "kubernetes-validate==1.37.0"
 fi
 # The images install the dependencies in a layer of their own and add the code later.
 if [ "${RLMESH_SETUP_PROJECT:-1}" != 0 ]; then
