@@ -46,8 +46,8 @@ POINTS: dict[str, str] = {
                                 "with a new group once the learner is back",
     "rollout.push.group_built": "an engine joined a new weight group and did not answer: restarted, admitted again",
     "coordinator.push.group_built": "every member joined the group, no chunk sent: the rerun builds a new group",
-    "coordinator.push.chunk_from_learner": "the learner sent a chunk the engines never asked for: the rerun's new "
-                                           "group aborts the stale one on every member (no group timeout wait)",
+    "coordinator.push.chunk_from_learner": "the learner sent a chunk the engines never asked for: it gives its "
+                                           "broadcast up once the call is gone, so a rerun pushes at once",
     "learner.push.chunk_sent": "the learner sent a chunk and did not answer the coordinator",
     "rollout.push.chunk_received": "an engine received a chunk and did not answer: it holds half-loaded weights, "
                                    "is restarted and admitted only after a full push",

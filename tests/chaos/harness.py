@@ -49,6 +49,7 @@ class Trial:
     killed_at_s: list[float] = dataclasses.field(default_factory=list)  # seconds after the start, per kill
     seconds: float = 0.0
     log: str = ""
+    crashed_at: list[str] = dataclasses.field(default_factory=list)  # the crash_at entries that fired
 
     @property
     def steps(self) -> list[int]:
@@ -126,12 +127,19 @@ def _wait_moment(stub, kill: Kill, proc: subprocess.Popen, timeout_s: float) -> 
 
 
 def run_trial(argv: list[str], out: pathlib.Path, kills: list[Kill] = (), timeout_s: float = 900.0,
-              module: str = "services.coordinator") -> Trial:
-    """Runs the coordinator with argv (built for `out`), kills as planned (in order), waits for the end."""
+              module: str = "services.coordinator", crash_at: list[str] = ()) -> Trial:
+    """Runs the coordinator with argv (built for `out`), kills as planned (in order), waits for the end.
+
+    crash_at: entries of RLMESH_CRASH_AT (services/common/crash_points.py), each fired once over the
+    whole run; a coordinator that kills itself at one is followed by the same command with
+    --load_checkpoint, as after a Kill("coordinator")."""
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "coordinator.log"
     t0 = time.monotonic()
     env = service_env()
+    if crash_at:
+        (out / "crashes").mkdir(exist_ok=True)
+        env.update(RLMESH_CRASH_AT=",".join(crash_at), RLMESH_CRASH_ONCE_DIR=str(out / "crashes"))
 
     def start(extra: list[str]) -> subprocess.Popen:
         (out / "control.json").unlink(missing_ok=True)
@@ -163,12 +171,20 @@ def run_trial(argv: list[str], out: pathlib.Path, kills: list[Kill] = (), timeou
                 time.sleep(2.0)
                 proc = start(["--load_checkpoint"])
         proc.wait(max(timeout_s - (time.monotonic() - t0), 1.0))
+        for _ in crash_at:  # at most one rerun per planned crash
+            if proc.returncode != -signal.SIGKILL:
+                break
+            killed_at.append(time.monotonic() - t0)
+            time.sleep(2.0)  # its services die with it (PR_SET_PDEATHSIG)
+            proc = start(["--load_checkpoint"])
+            proc.wait(max(timeout_s - (time.monotonic() - t0), 1.0))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(60)
     run_dir = out / "run"
+    fired = sorted(p.name.removeprefix("fired-") for p in (out / "crashes").glob("fired-*")) if crash_at else []
     return Trial(list(kills), proc.returncode, _read_jsonl(run_dir / "metrics.jsonl"), _read_jsonl(run_dir / "events.jsonl"),
-                 killed_at, time.monotonic() - t0, log_path.read_text(errors="replace"))
+                 killed_at, time.monotonic() - t0, log_path.read_text(errors="replace"), fired)
 
 
 def differences(baseline: Trial, trial: Trial, rtol: float = 1e-6) -> list[str]:

@@ -15,20 +15,8 @@ from __future__ import annotations
 
 import pathlib
 
-import pytest
-
+from tests.chaos.conftest import STEPS
 from tests.chaos.harness import Kill, differences, grpo_argv, model_difference, run_trial
-
-STEPS = 3
-
-
-@pytest.fixture(scope="module")
-def baseline(tiny_model_dir, tiny_data_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("chaos-baseline")
-    trial = run_trial(grpo_argv(tiny_model_dir, tiny_data_dir, out, 2, STEPS), out, timeout_s=600)
-    assert trial.returncode == 0, trial.log[-6000:]
-    assert trial.steps == list(range(1, STEPS + 1))
-    return trial, out
 
 
 def test_rollout_reward_and_learner_deaths_change_nothing(baseline, tiny_model_dir, tiny_data_dir, tmp_path):

@@ -1,0 +1,69 @@
+"""Every named crash point (services/common/crash_points.py), walked on real processes: the tiny
+model, local placement, the process that reaches the point kills itself with SIGKILL
+(RLMESH_CRASH_AT), each entry once per run (RLMESH_CRASH_ONCE_DIR), several points per run at
+different moments. Each run must end by itself (a coordinator that killed itself: after the same
+command with --load_checkpoint), with every step once and the same per-step metrics as the
+fault-free run of tests/chaos/conftest.py. A point missing from every plan fails the walk.
+
+A count `#n` is per process: a restarted process counts from 1 again.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.crash_points import POINTS
+from tests.chaos.conftest import STEPS
+from tests.chaos.harness import differences, grpo_argv, run_trial
+
+# Runs of two engines and a one-rank learner, compared with the shared fault-free run.
+PLANS = {
+    # The learner killed while creating global_step_N/ (the folder made, then its marker half-written:
+    # the mid-folder case), while writing its files, and between its marker and pruning.
+    "learner-checkpoint-a": ["learner.checkpoint.folder_marking", "learner.checkpoint.model_written#2",
+                             "learner.checkpoint.pruned#3"],
+    "learner-checkpoint-b": ["learner.checkpoint.folder_created", "learner.checkpoint.client_state_written#2",
+                             "learner.checkpoint.marker_renamed#3"],
+    "learner-push": ["learner.push.group_built", "learner.push.chunk_sent#2", "learner.push.chunk_acknowledged#3",
+                     "learner.push.version_committed#4"],
+    # A rollout engine killed in the push, then admitted again (the coordinator dies right after that).
+    "rollout-push": ["rollout.push.group_built@rollout-0", "rollout.push.chunk_received@rollout-1",
+                     "rollout.push.version_committed@rollout-0#2", "coordinator.push.engine_admitted"],
+    "coordinator-step": ["coordinator.step.generated", "coordinator.step.scored#2", "coordinator.step.trained#2",
+                         "coordinator.step.pushed#2", "coordinator.step.done#2"],
+    "coordinator-push": ["coordinator.push.group_built", "coordinator.push.chunk_from_learner#2",
+                         "coordinator.push.chunk_relayed#2", "coordinator.push.version_committed#2"],
+    "coordinator-checkpoint": ["coordinator.checkpoint.state_written#2", "coordinator.checkpoint.latest_updated#2",
+                               "coordinator.checkpoint.pruned#2"],
+}
+# The learner's rank group needs two ranks (and is compared step by step on its own terms).
+RANK_PLAN = ["learner.rank.forward_done@rank1", "learner.rank.backward_done@rank1#2",
+             "learner.rank.step_done@rank1#3", "learner.rank.result_ready@rank1#4"]
+
+
+def test_every_point_is_walked():
+    planned = {entry.split("@")[0].split("#")[0] for plan in [*PLANS.values(), RANK_PLAN] for entry in plan}
+    assert planned == set(POINTS), sorted(set(POINTS) ^ planned)
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_a_kill_at_each_point_changes_nothing(plan, baseline, tiny_model_dir, tiny_data_dir, tmp_path):
+    base, _ = baseline
+    argv = grpo_argv(tiny_model_dir, tiny_data_dir, tmp_path, 2, STEPS) + ["--max_restarts", "8"]
+    trial = run_trial(argv, tmp_path, crash_at=PLANS[plan], timeout_s=900)
+    assert trial.returncode == 0, trial.log[-8000:]
+    assert trial.crashed_at == sorted(PLANS[plan]), (trial.crashed_at, trial.log[-4000:])
+    assert differences(base, trial) == []
+    # No global_step folder is left without its marker: the killed saves were redone or removed.
+    for folder in (tmp_path / "ckpt").glob("global_step_*"):
+        assert (folder / "learner.json").is_file(), sorted(p.name for p in folder.iterdir())
+
+
+def test_a_rank_killed_at_each_collective_of_a_step(tiny_model_dir, tiny_data_dir, tmp_path):
+    argv = grpo_argv(tiny_model_dir, tiny_data_dir, tmp_path, 1, STEPS) + [
+        "--actor_num_gpus_per_node", "2", "--max_restarts", "8"]
+    trial = run_trial(argv, tmp_path, crash_at=RANK_PLAN, timeout_s=900)
+    assert trial.returncode == 0, trial.log[-8000:]
+    assert trial.crashed_at == sorted(RANK_PLAN), (trial.crashed_at, trial.log[-4000:])
+    assert trial.steps == list(range(1, STEPS + 1))
+    assert all(r["samples/generated"] == 32 and r["samples/trained"] == 32 for r in trial.records), trial.records
