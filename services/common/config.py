@@ -20,12 +20,23 @@ class ConfigError(ValueError):
     """A configuration problem; the message says what to change."""
 
 
-def opt(default, help: str, choices=None, derived: bool = False):
-    """A dataclass field with its help text. `derived` marks values computed in validate()."""
-    meta = {"help": help, "choices": choices, "derived": derived}
+def opt(default, help: str, choices=None, derived: bool = False, check=None):
+    """A dataclass field with its help text. `derived` marks values computed in validate().
+    `check(value)` returns "" for a good value, else what is wrong and what to give instead
+    ("must be > 0 (e.g. 5e-7)"); check_fields runs it (services.common.flags declares such fields)."""
+    meta = {"help": help, "choices": choices, "derived": derived, "check": check}
     if isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+def check_fields(config) -> None:
+    """Runs the `check` of every field that has one; a bad value is a ConfigError naming the flag."""
+    for f in dataclasses.fields(config):
+        check = f.metadata.get("check")
+        problem = check(getattr(config, f.name)) if check is not None else ""
+        if problem:
+            raise ConfigError(f"--{f.name} {getattr(config, f.name)} {problem}")
 
 
 def _base_type(tp):

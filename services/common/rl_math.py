@@ -8,12 +8,12 @@ influence any result, and the functions that return per-token tensors return 0 t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import torch
 
 KLEstimator = Literal["k1", "k2", "k3"]
-GroupEstimator = Literal["rloo", "reinforce_baseline", "group_norm", "dr_grpo"]
 LossLevel = Literal["token", "sequence", "sequence_sum"]
 
 # ----------------------------------------------------------------------------------------------
@@ -188,15 +188,35 @@ def group_norm_advantages(rewards: torch.Tensor, eps: float = 1e-9) -> torch.Ten
     return (rewards - rewards.mean(dim=1, keepdim=True)) / (std + eps)
 
 
-def group_advantages(rewards: torch.Tensor, estimator: GroupEstimator) -> torch.Tensor:
+class AdvantageEstimator(NamedTuple):
+    """What one --advantage_estimator does to a batch's rewards (applied in this order by the
+    coordinator's services.coordinator.loop.advantages.compute_advantages)."""
+
+    # (num_prompts, n) -> (num_prompts, n): the baseline from the other samples of the same prompt;
+    # None: no group baseline. Group estimators discount with gamma = 1 (one terminal reward).
+    group_baseline: Callable[[torch.Tensor], torch.Tensor] | None
+    critic: bool  # GAE over the critic's values; otherwise discounted returns of the per-token rewards
+    whiten: bool  # advantages whitened over the whole batch (masked_whiten)
+
+
+# --advantage_estimator name -> what it does; the coordinator's flag takes its choices from here.
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
+    "gae": AdvantageEstimator(None, critic=True, whiten=True),  # PPO
+    "reinforce": AdvantageEstimator(None, critic=False, whiten=True),  # REINFORCE++
+    "reinforce_baseline": AdvantageEstimator(mean_baseline_advantages, critic=False, whiten=True),
+    "rloo": AdvantageEstimator(rloo_advantages, critic=False, whiten=False),
+    "group_norm": AdvantageEstimator(group_norm_advantages, critic=False, whiten=False),  # GRPO
+    "dr_grpo": AdvantageEstimator(mean_baseline_advantages, critic=False, whiten=False),  # Dr. GRPO
+}
+GROUP_ESTIMATORS = tuple(name for name, e in ADVANTAGE_ESTIMATORS.items() if e.group_baseline is not None)
+
+
+def group_advantages(rewards: torch.Tensor, estimator: str) -> torch.Tensor:
     """Applies the group baseline named by estimator. rewards: (num_prompts, n) -> same shape."""
-    if estimator == "rloo":
-        return rloo_advantages(rewards)
-    if estimator in ("reinforce_baseline", "dr_grpo"):
-        return mean_baseline_advantages(rewards)
-    if estimator == "group_norm":
-        return group_norm_advantages(rewards)
-    raise ValueError(f"estimator must be rloo, reinforce_baseline, group_norm or dr_grpo, got {estimator!r}")
+    if estimator not in GROUP_ESTIMATORS:
+        raise ValueError(f"estimator must be one of {', '.join(GROUP_ESTIMATORS)} (a group baseline), "
+                         f"got {estimator!r}")
+    return ADVANTAGE_ESTIMATORS[estimator].group_baseline(rewards)
 
 
 def _group_size(rewards: torch.Tensor, name: str) -> int:

@@ -18,14 +18,14 @@ import pathlib
 import warnings
 from typing import ClassVar
 
-from services.common.config import ConfigError, opt
+from services.common import flags
+from services.common.config import ConfigError, check_fields, opt
 from services.common.deepspeed_file import apply_flags, check_batches, read_deepspeed_file
 from services.common.paths import absolute_paths, resolve_path_fields
+# The estimators and what each needs (a critic, a group of samples per prompt) come from the maths.
+from services.common.rl_math import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS
 from services.common.server import ServerConfig
 
-ADVANTAGE_ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo")
-# Estimators whose baseline is the other samples of the same prompt.
-GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")
 PLACEMENTS = ("auto", "local", "ray", "static")
 # --loss_agg_mode -> the learner's aggregation level (services.common.rl_math.aggregate_loss); "" = default.
 LOSS_AGG_MODES = {"": "token", "token_mean": "token", "seq_mean_token_mean": "sequence",
@@ -59,8 +59,8 @@ class CoordinatorConfig(ServerConfig):
     vllm_max_num_seqs: int = opt(0, "vLLM max_num_seqs (concurrent sequences per engine); 0 = vLLM's default")
     vllm_max_num_batched_tokens: int = opt(0, "vLLM max_num_batched_tokens; 0 = vLLM's default")
     vllm_quantization: str = opt("", "vLLM quantization method, e.g. awq; empty = none")
-    enable_prefix_caching: bool = opt(False, "vLLM prefix caching (helps when prompts share prefixes)")
-    enforce_eager: bool = opt(False, "disable CUDA graphs in vLLM (slower, less memory)")
+    enable_prefix_caching: bool = flags.ENABLE_PREFIX_CACHING.field(False)
+    enforce_eager: bool = flags.ENFORCE_EAGER.field(False)
     colocate_all_models: bool = opt(False, "actor, critic, reward, reference and vLLM share the actor's GPUs; "
                                     "needs actor GPUs == vllm_num_engines x vllm_tensor_parallel_size")
     colocate_actor_ref: bool = opt(False, "the reference model shares the actor's GPUs")
@@ -75,12 +75,10 @@ class CoordinatorConfig(ServerConfig):
     reward_pretrain: str = opt("", "local folder of a reward model (HF sequence classification, one label)")
     remote_rm_url: str = opt("", "reward server URL(s), comma separated, or a Python file defining reward_func "
                              "(OpenRLHF) or compute_score (veRL); FILE.py:NAME picks another function")
-    remote_rm_batch_size: int = opt(64, "samples per call to the --remote_rm_url server(s) or reward function; 1 "
-                                        "calls them one sample at a time, as OpenRLHF does (they may then answer "
-                                        "single numbers)")
+    remote_rm_batch_size: int = flags.REMOTE_RM_BATCH_SIZE.field(64)
     reward_func: str = opt("", "built-in rule reward instead of a model: math, simplerl_math (simpleRL-reason's "
                            "1 / -0.5 / -1), exact_match or format (comma separated rules add up)")
-    normalize_reward: bool = opt(False, "normalise rewards with the mean/std stored in the reward model's config")
+    normalize_reward: bool = flags.NORMALIZE_REWARD.field(False)
     reward_clip_range: list[float] = opt([-10.0, 10.0], "rewards are clipped to [low, high]")
 
     # ---- outputs and checkpoints --------------------------------------------------------------
@@ -89,7 +87,7 @@ class CoordinatorConfig(ServerConfig):
     save_steps: int = opt(-1, "checkpoint every N global steps; -1 = only at the end")
     logging_steps: int = opt(1, "log metrics every N global steps")
     load_checkpoint: bool = opt(False, "resume from the latest complete checkpoint under --ckpt_path")
-    max_ckpt_num: int = opt(3, "number of checkpoints kept under --ckpt_path")
+    max_ckpt_num: int = flags.MAX_CKPT_NUM.field(3)
     save_hf_ckpt: bool = opt(False, "with each checkpoint also export the actor in HF format")
     save_value_network: bool = opt(False, "also export the critic in HF format to {save_path}_critic at the end (the "
                                    "DeepSpeed checkpoints always hold it, in global_step_N/critic)")
@@ -115,8 +113,8 @@ class CoordinatorConfig(ServerConfig):
                          "and clipping replace those flags, its other settings are laid over the learner's config; "
                          "batch sizes must match the flags")
     bf16: bool = opt(False, "train in bfloat16")
-    actor_learning_rate: float = opt(1e-6, "actor learning rate")
-    critic_learning_rate: float = opt(9e-6, "critic learning rate")
+    actor_learning_rate: float = flags.ACTOR_LEARNING_RATE.field(1e-6)
+    critic_learning_rate: float = flags.CRITIC_LEARNING_RATE.field(9e-6)
     lr_warmup_ratio: float = opt(0.03, "fraction of training steps spent warming up the learning rate")
     lr_scheduler: str = opt("cosine_with_min_lr", "learning-rate schedule after the warm-up (cosine decays over "
                             "the run's optimizer steps)", choices=["constant_with_warmup", "cosine_with_min_lr"])
@@ -298,6 +296,7 @@ class CoordinatorConfig(ServerConfig):
 
     def validate(self) -> None:
         self.validate_server()
+        check_fields(self)
         self._resolve_paths()
         self._resolve_placement()
         self._check_models()
@@ -370,9 +369,6 @@ class CoordinatorConfig(ServerConfig):
             if len(sources) != 1:
                 raise ConfigError("give exactly one reward source: --reward_pretrain DIR, --remote_rm_url URL|file.py "
                                   f"or --reward_func math|exact_match|format (got {sources or 'none'})")
-        if self.remote_rm_batch_size < 1:
-            raise ConfigError(f"--remote_rm_batch_size {self.remote_rm_batch_size} must be >= 1 (1 = one sample "
-                              "per call, as OpenRLHF calls reward servers and functions)")
         rules = [r.strip() for r in self.reward_func.split(",") if r.strip()]
         if any(r not in ("math", "simplerl_math", "exact_match", "format") for r in rules):
             raise ConfigError(f"--reward_func {self.reward_func}: use math, simplerl_math, exact_match or format "
@@ -390,7 +386,7 @@ class CoordinatorConfig(ServerConfig):
                 warnings.warn(f"--normalize_reward: {model_config} stores no reward 'mean' / 'std', so there is "
                               "nothing to normalise with; rewards are used as the model gives them", stacklevel=2)
                 self.normalize_reward = False
-        self.critic_needed = self.advantage_estimator == "gae"
+        self.critic_needed = ADVANTAGE_ESTIMATORS[self.advantage_estimator].critic
         self.ref_needed = self.init_kl_coef > 0
         if len(self.reward_clip_range) != 2 or self.reward_clip_range[0] > self.reward_clip_range[1]:
             raise ConfigError(f"--reward_clip_range {self.reward_clip_range}: give LOW HIGH with LOW <= HIGH")
@@ -471,8 +467,6 @@ class CoordinatorConfig(ServerConfig):
             raise ConfigError("--max_steps must be >= 0 (0 = run all episodes)")
         if self.save_steps == 0:
             raise ConfigError("--save_steps 0: use -1 to save only at the end, or N >= 1")
-        if self.max_ckpt_num < 1:
-            raise ConfigError("--max_ckpt_num must be >= 1")
         if self.load_checkpoint and not self.ckpt_path:
             raise ConfigError("--load_checkpoint needs --ckpt_path (the same folder the run saved to)")
         if self.prompt_data_probs:
@@ -525,10 +519,6 @@ class CoordinatorConfig(ServerConfig):
         for name in ("gamma", "lambd"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ConfigError(f"--{name} {getattr(self, name)} must be in [0, 1]")
-        if not self.actor_learning_rate > 0:
-            raise ConfigError(f"--actor_learning_rate {self.actor_learning_rate} must be > 0 (e.g. 5e-7)")
-        if self.critic_needed and not self.critic_learning_rate > 0:
-            raise ConfigError(f"--critic_learning_rate {self.critic_learning_rate} must be > 0 (e.g. 9e-6)")
         if self.max_norm < 0:
             raise ConfigError(f"--max_norm {self.max_norm} must be >= 0 (0 disables clipping)")
         if not 0 <= self.lr_warmup_ratio < 1:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
-from services.common.config import ConfigError, opt
+from services.common import flags
+from services.common.config import ConfigError, check_fields, opt
 from services.common.server import ServerConfig
 from services.learner.deepspeed_setup import DeepSpeedOptions
 from services.learner.logprob_head import HEADS
@@ -18,8 +19,8 @@ class LearnerConfig(ServerConfig, DeepSpeedOptions):
     pretrain: str = opt("", "folder of the Hugging Face causal LM to train as the actor (required)")
     critic_pretrain: str = opt("", "folder of the model the critic starts from (a reward model or a causal LM); "
                                "empty = no critic (GRPO, RLOO, REINFORCE++)")
-    actor_learning_rate: float = opt(1e-6, "peak learning rate of the actor")
-    critic_learning_rate: float = opt(9e-6, "peak learning rate of the critic")
+    actor_learning_rate: float = flags.ACTOR_LEARNING_RATE.field(1e-6)
+    critic_learning_rate: float = flags.CRITIC_LEARNING_RATE.field(9e-6)
     micro_forward_batch_size: int = opt(8, "samples per forward pass on one rank in LogProbs and Values")
     logprobs_head: str = opt("full", "training: how response log-probs come from the model. full: the model's "
                              "logits, log-softmax over them; chunked: from the hidden states of the response "
@@ -30,7 +31,7 @@ class LearnerConfig(ServerConfig, DeepSpeedOptions):
                              choices=list(HEADS))
     logprobs_chunk_tokens: int = opt(4096, "--logprobs_head chunked: response tokens per chunk")
     weight_bucket_mb: int = opt(1024, "PushWeights: largest bucket of parameters sent in one broadcast, MiB")
-    max_ckpt_num: int = opt(3, "SaveCheckpoint keeps at most this many checkpoints (oldest removed first)")
+    max_ckpt_num: int = flags.MAX_CKPT_NUM.field(3)
     max_len: int = opt(0, "longest sequence (prompt + response) accepted, tokens; 0 = the model's "
                        "max_position_embeddings")
     num_gpus: int = opt(1, "ranks to run on this machine when no launcher set RANK / WORLD_SIZE (one per GPU; "
@@ -51,6 +52,7 @@ class LearnerConfig(ServerConfig, DeepSpeedOptions):
 
     def validate(self) -> None:
         self.validate_server()
+        check_fields(self)
         self.apply_deepspeed_file()  # before the checks that read the ZeRO stage
         if not self.pretrain:
             raise ConfigError("--pretrain is required: the folder of the actor's Hugging Face model")
@@ -60,9 +62,6 @@ class LearnerConfig(ServerConfig, DeepSpeedOptions):
                 raise ConfigError(f"--{name} {path}: no Hugging Face model there (config.json is missing)")
         if self.num_gpus < 1:
             raise ConfigError(f"--num_gpus {self.num_gpus} must be >= 1")
-        for name in ("actor_learning_rate", "critic_learning_rate"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name} must be >= 0")
         if self.micro_forward_batch_size < 1:
             raise ConfigError(f"--micro_forward_batch_size {self.micro_forward_batch_size} must be >= 1")
         if self.logprobs_chunk_tokens < 1:
@@ -72,8 +71,6 @@ class LearnerConfig(ServerConfig, DeepSpeedOptions):
                               "output projection is sharded); use --logprobs_head full")
         if self.weight_bucket_mb < 1:
             raise ConfigError(f"--weight_bucket_mb {self.weight_bucket_mb} must be >= 1")
-        if self.max_ckpt_num < 1:
-            raise ConfigError(f"--max_ckpt_num {self.max_ckpt_num} must be >= 1")
         if self.dist_timeout_s <= 0 or self.heartbeat_timeout_s <= 0 or self.startup_timeout_s <= 0:
             raise ConfigError("--dist_timeout_s, --startup_timeout_s and --heartbeat_timeout_s must be > 0")
         if self.cancel_grace_s <= 0:

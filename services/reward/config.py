@@ -6,7 +6,8 @@ import dataclasses
 import math
 import pathlib
 
-from services.common.config import ConfigError, opt
+from services.common import flags
+from services.common.config import ConfigError, check_fields, opt
 from services.common.server import ServerConfig
 from services.reward.function_worker import split_file_target
 from services.reward.grpc_source import SCHEME as GRPC_SCHEME
@@ -44,18 +45,14 @@ class RewardConfig(ServerConfig):
                                     "prompt + response token ids of the request", choices=["text", "token_ids"])
     value_head_prefix: str = opt("", "name of the reward head's weights; empty: the checkpoint config's "
                                      "value_head_prefix, else 'score'")
-    normalize_reward: bool = opt(False, "normalise reward model scores by the mean and std stored in the "
-                                        "checkpoint's config: (score - mean) / std")
+    normalize_reward: bool = flags.NORMALIZE_REWARD.field(False)
 
     # Rewards of every source.
     reward_clip_range: list[float] = opt([-10.0, 10.0], "clip final rewards to [LOW HIGH]; give no values to "
                                                         "turn clipping off")
 
     # Remote servers and reward function files.
-    remote_rm_batch_size: int = opt(64, "samples per call to a remote reward server or reward function; 1 calls "
-                                        "them one sample at a time, as OpenRLHF does, and they may then answer "
-                                        "single numbers for rewards and scores; an extra_logs entry given as one "
-                                        "number is logged as a metric of its call, never copied to each sample")
+    remote_rm_batch_size: int = flags.REMOTE_RM_BATCH_SIZE.field(64)
     remote_rm_max_in_flight: int = opt(8, "calls to remote reward servers (all URLs together) or reward "
                                           "functions running at once")
     remote_rm_timeout_s: float = opt(60.0, "time limit of one call to a remote reward server, seconds")
@@ -88,6 +85,7 @@ class RewardConfig(ServerConfig):
 
     def validate(self) -> None:
         self.validate_server()
+        check_fields(self)
         sources = [name for name in ("reward_pretrain", "remote_rm_url", "reward_func") if getattr(self, name)]
         if len(sources) > 1:
             raise ConfigError(f"give one reward source, not {' and '.join('--' + s for s in sources)}")
@@ -109,7 +107,7 @@ class RewardConfig(ServerConfig):
                                        or not self.reward_clip_range[0] < self.reward_clip_range[1]):
             raise ConfigError(f"--reward_clip_range {self.reward_clip_range}: give LOW HIGH with LOW < HIGH, "
                               "or no values to turn clipping off")
-        positive = ["reward_micro_batch_size", "ref_micro_batch_size", "remote_rm_batch_size",
+        positive = ["reward_micro_batch_size", "ref_micro_batch_size",
                     "remote_rm_max_in_flight", "math_verify_timeout_s", "math_verify_workers"]
         for name in positive:
             if getattr(self, name) < 1:

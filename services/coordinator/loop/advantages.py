@@ -14,8 +14,6 @@ import torch
 
 from services.common import rl_math
 
-WHITENED_ESTIMATORS = ("gae", "reinforce", "reinforce_baseline")
-
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, factor: float) -> torch.Tensor:
     """DAPO's soft overlong punishment.
@@ -70,25 +68,28 @@ def compute_advantages(rewards: torch.Tensor, mask: torch.Tensor, estimator: str
     logp / ref_logp: (B, T) old-policy and reference log-probs of the response tokens (both or
     neither). values: (B, T) critic values, required for gae.
     """
+    if estimator not in rl_math.ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"estimator {estimator!r}: use one of {', '.join(rl_math.ADVANTAGE_ESTIMATORS)}")
+    spec = rl_math.ADVANTAGE_ESTIMATORS[estimator]
     B = rewards.shape[0]
     if ref_logp is not None and logp is not None:
         kl = rl_math.kl_estimate(logp, ref_logp, mask, kl_estimator)
     else:
         kl = torch.zeros(mask.shape, dtype=torch.float32)
     scalar = rewards.float()
-    if estimator not in ("gae", "reinforce"):
-        scalar = rl_math.group_advantages(scalar.view(B // n_samples_per_prompt, n_samples_per_prompt),
-                                          estimator).reshape(B)  # (num_prompts, n) -> (B,)
+    if spec.group_baseline is not None:
+        groups = scalar.view(B // n_samples_per_prompt, n_samples_per_prompt)  # (num_prompts, n)
+        scalar = spec.group_baseline(groups).reshape(B)
     token_rewards = rl_math.kl_shaped_rewards(scalar, kl, mask, 0.0 if use_kl_loss else kl_coef, reward_clip)
-    if estimator == "gae":
+    if spec.critic:
         if values is None:
-            raise ValueError("gae needs the critic's values")
+            raise ValueError(f"{estimator} needs the critic's values")
         advantages, returns = rl_math.gae_advantages_and_returns(token_rewards, values, mask, gamma, lambd)
     else:
         # The group estimators discount with gamma = 1 by definition (one terminal reward).
-        returns = rl_math.discounted_returns(token_rewards, mask, gamma if estimator == "reinforce" else 1.0)
+        returns = rl_math.discounted_returns(token_rewards, mask, 1.0 if spec.group_baseline else gamma)
         advantages = returns
-    if estimator in WHITENED_ESTIMATORS:
+    if spec.whiten:
         advantages = rl_math.masked_whiten(advantages, mask, std_norm=std_norm)
     return Advantages(advantages, returns, kl, scalar)
 
