@@ -18,6 +18,16 @@ import socket
 import torch.distributed as dist
 
 
+# The address of this process's node, set by whoever placed it there (a Ray actor sets its node's
+# address): what a gloo group here listens on and gives the other members.
+NODE_ADDRESS_ENV = "RLMESH_NODE_ADDRESS"
+
+
+def node_address() -> str:
+    """This process's node address: RLMESH_NODE_ADDRESS, else 127.0.0.1."""
+    return os.environ.get(NODE_ADDRESS_ENV) or "127.0.0.1"
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -75,10 +85,13 @@ def store(host: str, port: int, world_size: int, is_master: bool, timeout: datet
 
 def gloo_group(prefixed_store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta,
                host: str) -> dist.ProcessGroupGloo:
-    """A gloo group whose sockets listen on loopback when the rendezvous host is a loopback address."""
+    """A gloo group whose sockets listen on loopback when the rendezvous host is a loopback address
+    (this node's own one: node_address())."""
     if not is_loopback(host):
         return dist.ProcessGroupGloo(prefixed_store, rank, world_size, timeout)
     options = dist.ProcessGroupGloo._Options()
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    # This node's own loopback address (127.0.0.2, ... on a cluster of one machine), not 127.0.0.1.
+    local = node_address()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=local if is_loopback(local) else "127.0.0.1")]
     options._timeout = timeout
     return dist.ProcessGroupGloo(prefixed_store, rank, world_size, options)

@@ -243,6 +243,10 @@ class CoordinatorConfig(ServerConfig):
     ray_address: str = opt("", "ray: cluster address; empty = RAY_ADDRESS, else a local Ray instance")
     ray_num_cpus: int = opt(0, "ray: CPUs of the local Ray instance this run starts; 0 = all")
     ray_cpus_per_service: float = opt(0.1, "ray: CPUs reserved for each service actor (GPU counts come from the *_num_gpus_per_node flags)")
+    ray_placement_timeout_s: float = opt(180.0, "ray: how long the cluster may take to find room for the job's "
+                                         "placement groups, and for a bundle whose node was lost; past it the "
+                                         "run stops with an error naming the role, what it asks and what the "
+                                         "cluster has")
     run_dir: str = opt("", "folder of metrics.jsonl, service logs and plots; empty = runs/<run name>")
     progress_bar: bool = opt(True, "show a progress bar per step when stderr is a terminal")
     rpc_timeout_s: float = opt(1800.0, "deadline of the long calls (Generate, TrainActor, PushWeights)")
@@ -409,6 +413,9 @@ class CoordinatorConfig(ServerConfig):
         if self.actor_gpus() < 1:
             raise ConfigError("the actor needs at least one GPU (or process on CPU): "
                               "set --actor_num_nodes >= 1 and --actor_num_gpus_per_node >= 1")
+        if not self.ray_placement_timeout_s > 0:
+            raise ConfigError(f"--ray_placement_timeout_s {self.ray_placement_timeout_s} must be > 0 (seconds the Ray "
+                              "cluster may take to find room for the job, e.g. 180)")
         if self.vllm_num_engines < 1 or self.vllm_tensor_parallel_size < 1:
             raise ConfigError("--vllm_num_engines and --vllm_tensor_parallel_size must be >= 1")
         if self.placement == "static":

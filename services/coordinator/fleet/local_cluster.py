@@ -31,6 +31,7 @@ import time
 
 STATE_FILE = "cluster.json"
 FIRST_HOST = 2  # 127.0.0.2: 127.0.0.1 stays what "localhost" means, so an address fixed to it shows up
+START_ATTEMPTS = 3  # `ray start` of one node, on a machine too busy for its agents' start-up wait
 WORKER_PORTS = 40  # Ray worker processes per node (actors and tasks): a tiny run needs far fewer
 
 
@@ -199,13 +200,21 @@ class LocalCluster:
                "RAY_DISABLE_DOCKER_CPU_WARNING": "1"}
         env.pop("RAY_ADDRESS", None)
         log = temp_dir / "ray-start.log"
-        with open(log, "wb") as out:
-            code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL,
-                                   timeout=timeout_s)
-        if code != 0:
+        for attempt in range(1, START_ATTEMPTS + 1):
+            with open(log, "ab") as out:
+                code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                       stdin=subprocess.DEVNULL, timeout=timeout_s)
+            if code == 0:
+                break
             self._kill_ip(ip)
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-            raise ClusterError(f"`ray start` for node {ip} exited with code {code}; {log}:\n{tail}")
+            text = log.read_text(errors="replace")
+            # On a busy machine a node's dashboard agent can miss the raylet's fixed wait for its port
+            # file ("timed out during startup"); a second start usually makes it.
+            if "timed out during startup" not in text or attempt == START_ATTEMPTS:
+                tail = "\n".join(text.splitlines()[-15:])
+                raise ClusterError(f"`ray start` for node {ip} exited with code {code} ({attempt} attempt(s)); "
+                                   f"{log}:\n{tail}")
+            time.sleep(2.0)
         node = NodeInfo(ip, gpus, cpus, str(temp_dir), head)
         state.nodes.append(node)
         state.used.append(ip)

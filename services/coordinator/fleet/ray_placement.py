@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import pathlib
 import socket
@@ -38,6 +39,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from services.common.log import get_logger, log_event
+from services.common.rendezvous import NODE_ADDRESS_ENV
 from services.common.security import client_credentials, credentials_from_env, launch_settings, set_client_credentials
 from services.coordinator.config import CoordinatorConfig
 from services.coordinator.fleet.launcher import ServiceStartError, log_tail, spawn_service, wait_until_ready
@@ -45,6 +47,10 @@ from services.coordinator.fleet.placement import (Endpoints, ServiceSpec, learne
                                             rollout_argv, scaled_spec)
 
 _log = get_logger("coordinator")
+# Set on the driver, they reach every service on every node (the guide sets them before `ray start`;
+# a job's driver may also carry them): interfaces and InfiniBand devices of NCCL and gloo.
+FORWARDED_ENV = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_IB_DISABLE", "GLOO_SOCKET_IFNAME", "NCCL_DEBUG")
+TARGETS_FILE = "prometheus_targets.json"  # Prometheus file_sd: every instance's metrics port, kept current
 
 
 class ServiceHost:
@@ -53,9 +59,11 @@ class ServiceHost:
     def __init__(self, name: str, log_dir: str, driver_ip: str):
         self.name = name
         self.service = None
-        # Logs go to the run folder when this actor shares the driver's node, else to /tmp there.
+        # Logs go to the run folder when this actor shares the driver's node, else to /tmp there; the
+        # coordinator copies those into the run folder as they grow (RayPlacement._mirror_logs).
         here = ray.util.get_node_ip_address()
-        self.log_dir = pathlib.Path(log_dir if here == driver_ip else f"/tmp/rlmesh-logs/{pathlib.Path(log_dir).parent.name}")
+        self.log_dir = pathlib.Path(log_dir if here == driver_ip else
+                                    f"/tmp/rlmesh-logs/{pathlib.Path(log_dir).parent.name}-{here}")
 
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
@@ -69,11 +77,18 @@ class ServiceHost:
         host = ray.util.get_node_ip_address()
         # Health checks from here present what the coordinator's channels do (TLS CA, client certificate).
         set_client_credentials(credentials_from_env(env))
-        self.service = spawn_service(self.name, module, argv, self.log_dir, host=host, env=env)
+        # What reached this node: the service's log says it first (the run folder gets a copy).
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        shown = ("MASTER_ADDR", "MASTER_PORT", "RANK", *FORWARDED_ENV)
+        with open(self.log_dir / f"{self.name}.log", "a") as log:
+            log.write(f"# node {host} network_env " + " ".join(f"{k}={env[k]}" for k in shown if k in env) + "\n")
+        # The service binds this node's address and gives it to others (weight-sync group, rendezvous).
+        self.service = spawn_service(self.name, module, argv, self.log_dir, host=host,
+                                     env={**env, NODE_ADDRESS_ENV: host})
         if wait:
             asyncio.run(wait_until_ready(self.service, timeout_s))
         return {"address": self.service.address, "pid": self.service.pid, "log": str(self.service.log_path),
-                "node_ip": host}
+                "node_ip": host, "metrics_port": self.service.metrics_port}
 
     def alive(self) -> bool:
         return self.service is not None and self.service.alive()
@@ -84,6 +99,16 @@ class ServiceHost:
 
     def tail(self) -> str:
         return log_tail(self.service.log_path) if self.service is not None else ""
+
+    def log_chunk(self, offset: int, limit: int = 4 << 20) -> bytes:
+        """Up to `limit` bytes of the service's log from `offset` (b"" when nothing new)."""
+        path = self.log_dir / f"{self.name}.log"
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                return f.read(limit)
+        except OSError:
+            return b""
 
     def stop(self, grace_s: float = 30.0) -> int | None:
         return self.service.stop(grace_s) if self.service is not None else None
@@ -97,6 +122,9 @@ class Placed:
     rank: int = -1  # learner rank for per-rank learner actors
     actor: object = None
     address: str = ""
+    node_ip: str = ""  # the node the service runs on (its address's host)
+    metrics_port: int | None = None
+    actors_made: int = 0  # a replaced actor gets a new name: the dead one may hold its name a while
 
 
 class RayPlacement:
@@ -109,6 +137,11 @@ class RayPlacement:
         self.vacated: list[Placed] = []  # removed instances whose bundles stay reserved in a shared group
         self.started_ray = False
         self.learner_host: Placed | None = None
+        self.gpu_plan = False  # the cluster declares GPUs: plan by them (services may still run on the CPU)
+        self.group_roles: dict[int, str] = {}  # id(group) -> what it holds, for errors
+        self._log_offsets: dict[tuple[str, str], int] = {}  # (service, node) -> bytes copied to the run folder
+        self._mirror: asyncio.Task | None = None
+        self._log_dir, self._driver_ip = str((run_dir / "logs").resolve()), ""
 
     # ---- the cluster ----
     def connect(self) -> None:
@@ -124,6 +157,9 @@ class RayPlacement:
             ray.init(num_cpus=cfg.ray_num_cpus or None, include_dashboard=False, log_to_driver=False)
             self.started_ray = True
         gpus = ray.cluster_resources().get("GPU", 0)
+        # Logical GPUs (`ray start --num-gpus N` on machines without any, e.g. `rlmesh cluster up`) place
+        # the services as real ones would; --device cpu then runs them on the CPU.
+        self.gpu_plan = gpus > 0
         if cfg.device == "auto":
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -133,23 +169,30 @@ class RayPlacement:
         log_event(_log, "ray.connected", address=address or "local", gpus=gpus,
                   cpus=ray.cluster_resources().get("CPU", 0))
 
-    def _group(self, bundles: list[dict], strategy: str = "PACK"):
+    def _group(self, bundles: list[dict], role: str, strategy: str = "PACK"):
         group = placement_group(bundles, strategy=strategy)
         self.groups.append(group)
+        self.group_roles[id(group)] = role
         return group
 
     async def _wait_groups(self) -> None:
-        needed = {}
-        for g in self.groups:
-            for b in g.bundle_specs:
-                for k, v in b.items():
-                    needed[k] = needed.get(k, 0) + v
+        """Every group reserved within --ray_placement_timeout_s, else an error naming what did not fit."""
+        timeout = self.cfg.ray_placement_timeout_s
+        pending = {id(g): g for g in self.groups}
+
+        async def ready(g):
+            await g.ready()
+            pending.pop(id(g), None)
+
         try:
-            await asyncio.wait_for(asyncio.gather(*(g.ready() for g in self.groups)), self.cfg.service_start_timeout_s)
+            await asyncio.wait_for(asyncio.gather(*(ready(g) for g in self.groups)), timeout)
         except asyncio.TimeoutError:
-            raise RuntimeError(f"the Ray cluster could not reserve {needed} within {self.cfg.service_start_timeout_s:.0f} s "
-                               f"(it has {ray.cluster_resources()}); lower the *_num_gpus_per_node / "
-                               "--vllm_num_engines flags or use colocation") from None
+            asked = "; ".join(f"{self.group_roles[key]} asks for {_describe(g.bundle_specs)}"
+                              for key, g in pending.items())
+            raise RuntimeError(f"the Ray cluster cannot hold this job: {asked}; {cluster_summary()}; waited "
+                               f"--ray_placement_timeout_s {timeout:.0f} s. Add nodes (`ray start --address HEAD:6379 "
+                               "--num-gpus N`), lower the *_num_nodes / *_num_gpus_per_node / --vllm_num_engines "
+                               "flags, or colocate roles") from None
 
     # ---- what goes where ----
     def _plan(self) -> list[Placed]:
@@ -162,24 +205,25 @@ class RayPlacement:
         rollout_specs = [ServiceSpec(f"rollout-{i}", "services.rollout", rollout_argv(cfg), ("rollout",))
                          for i in range(cfg.vllm_num_engines)]
         # As in the local placement: one process serves both roles on CPU or when everything is colocated.
-        merge = not cfg.on_gpu or cfg.colocate_all_models
+        merge = not self.gpu_plan or cfg.colocate_all_models
         reward_specs = [ServiceSpec(f"reward-ref-{i}" if merge and i < specs_ref else f"reward-{i}", "services.reward",
                                     reward_argv(cfg, True, merge and i < specs_ref),
                                     ("reward", "reference") if merge and i < specs_ref else ("reward",))
                         for i in range(specs_reward)]
         ref_specs = [ServiceSpec(f"ref-{i}", "services.reward", reward_argv(cfg, False, True), ("reference",))
                      for i in range(specs_reward if merge else 0, specs_ref)]
-        if not cfg.on_gpu:
+        if not self.gpu_plan:
             # CPU cluster: one CPU bundle per process; a multi-rank learner starts its ranks itself.
             specs = [learner_spec(cfg.actor_gpus()), *rollout_specs, *reward_specs, *ref_specs]
-            group = self._group([{"CPU": cfg.ray_cpus_per_service} for _ in specs])
+            group = self._group([{"CPU": cfg.ray_cpus_per_service} for _ in specs], "the services (CPU bundles)")
             return [Placed(s, [(group, i)]) for i, s in enumerate(specs)]
         return self._plan_gpus(learner_spec, rollout_specs, reward_specs, ref_specs)
 
     def _plan_gpus(self, learner_spec, rollout_specs, reward_specs, ref_specs) -> list[Placed]:
         cfg = self.cfg
         one_gpu = lambda n: [{"GPU": 1, "CPU": cfg.ray_cpus_per_service} for _ in range(n)]  # noqa: E731
-        actor_group = self._group(one_gpu(cfg.actor_gpus()))
+        actor_group = self._group(one_gpu(cfg.actor_gpus()), f"the actor (--actor_num_nodes {cfg.actor_num_nodes} x "
+                                  f"--actor_num_gpus_per_node {cfg.actor_num_gpus_per_node})")
         actor_bundles = [(actor_group, i) for i in range(cfg.actor_gpus())]
         placed: list[Placed] = []
         # One actor per learner rank; each rank sees one GPU.
@@ -191,7 +235,8 @@ class RayPlacement:
         if cfg.colocate_all_models:
             engine_bundles = actor_bundles
         else:
-            group = self._group(one_gpu(cfg.vllm_num_engines * tp))
+            group = self._group(one_gpu(cfg.vllm_num_engines * tp), f"the rollout engines (--vllm_num_engines "
+                                f"{cfg.vllm_num_engines} x --vllm_tensor_parallel_size {tp})")
             engine_bundles = [(group, i) for i in range(cfg.vllm_num_engines * tp)]
         for i, spec in enumerate(rollout_specs):
             placed.append(Placed(spec, engine_bundles[i * tp:(i + 1) * tp]))
@@ -202,7 +247,9 @@ class RayPlacement:
             if shares_actor:
                 bundles = actor_bundles
             else:
-                group = self._group(one_gpu(len(specs)))
+                group = self._group(one_gpu(len(specs)), f"the {role} model (--{role}_num_nodes "
+                                    f"{getattr(cfg, f'{role}_num_nodes')} x --{role}_num_gpus_per_node "
+                                    f"{getattr(cfg, f'{role}_num_gpus_per_node')})")
                 bundles = [(group, i) for i in range(len(specs))]
             for i, spec in enumerate(specs):
                 placed.append(Placed(spec, [bundles[i % len(bundles)]]))
@@ -233,20 +280,23 @@ class RayPlacement:
         self.connect()
         self.placed = self._plan()
         await self._wait_groups()
-        gpu_of = await self._probe_gpus() if cfg.on_gpu else {}
+        gpu_of = await self._probe_gpus() if self.gpu_plan else {}
         driver_ip = ray.util.get_node_ip_address()
         log_dir = str((self.run_dir / "logs").resolve())
         self._log_dir, self._driver_ip = log_dir, driver_ip
         for p in self.placed:
             self._make_actor(p)
-            if cfg.on_gpu:
+            p.spec.env.update(forwarded_env())
+            if self.gpu_plan:
                 located = [gpu_of[(id(g), i)] for g, i in p.bundles]
                 if len({node for node, _ in located}) > 1:
                     raise RuntimeError(f"{p.spec.name} would span nodes {sorted({n for n, _ in located})}; keep "
                                        "--vllm_tensor_parallel_size <= GPUs per node")
+            if cfg.on_gpu and self.gpu_plan:
                 p.spec.env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu for _, gpu in located)
             else:
                 p.spec.env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
+        self._mirror = asyncio.create_task(self._mirror_logs())
         # Roles colocated on the learner's GPUs start after it (the engines size their memory to what
         # the learner left); otherwise every service loads at once.
         shares_gpus = cfg.on_gpu and (cfg.colocate_all_models or cfg.colocate_actor_ref or cfg.colocate_critic_reward)
@@ -264,8 +314,11 @@ class RayPlacement:
 
     def _make_actor(self, p: Placed) -> None:
         group, index = p.bundles[0]
+        # Named by its service (the dashboard's actor list reads rollout-0, learner-rank1, ...).
+        p.actors_made += 1
+        name = p.spec.name if p.actors_made == 1 else f"{p.spec.name}-restart{p.actors_made - 1}"
         p.actor = ray.remote(ServiceHost).options(
-            num_cpus=0 if self.cfg.on_gpu else self.cfg.ray_cpus_per_service, num_gpus=p.share,
+            name=name, num_cpus=0 if self.gpu_plan else self.cfg.ray_cpus_per_service, num_gpus=p.share,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
         ).remote(p.spec.name, self._log_dir, self._driver_ip)
 
@@ -322,12 +375,12 @@ class RayPlacement:
         vacated = next((v for v in self.vacated if v.spec.roles == spec.roles), None)
         if vacated is not None:
             return await self._add_on_vacated(spec, vacated)
-        gpus = (cfg.vllm_tensor_parallel_size if role == "rollout" else 1) if cfg.on_gpu else 0
+        gpus = (cfg.vllm_tensor_parallel_size if role == "rollout" else 1) if self.gpu_plan else 0
         bundles = ([{"GPU": 1, "CPU": cfg.ray_cpus_per_service} for _ in range(gpus)] if gpus
                    else [{"CPU": cfg.ray_cpus_per_service}])
-        group = self._group(bundles)
+        group = self._group(bundles, f"another {role} instance")
         try:
-            await asyncio.wait_for(group.ready(), cfg.service_start_timeout_s)
+            await asyncio.wait_for(group.ready(), cfg.ray_placement_timeout_s)
         except asyncio.TimeoutError:
             self.groups.remove(group)
             remove_placement_group(group)
@@ -335,7 +388,8 @@ class RayPlacement:
                                f"{ray.available_resources()} free") from None
         p = Placed(spec, [(group, i) for i in range(len(bundles))], share=1.0 if gpus else 0.0)
         self._make_actor(p)
-        if gpus:
+        p.spec.env.update(forwarded_env())
+        if gpus and cfg.on_gpu:
             gpu_of = await self._probe_gpus_of(p)
             p.spec.env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_of)
         else:
@@ -381,9 +435,11 @@ class RayPlacement:
             code = await asyncio.wait_for(p.actor.stop.remote(30.0), 60.0)
         except (asyncio.TimeoutError, ray.exceptions.RayActorError):
             pass
+        await self._copy_logs()
         ray.kill(p.actor)
         log_event(_log, "service.stopped", service=name, code=code)
         self.placed.remove(p)
+        self._write_targets()
         group = p.bundles[0][0]
         if not any(g is group for q in self.placed for g, _ in q.bundles):
             self.groups.remove(group)
@@ -392,7 +448,22 @@ class RayPlacement:
             self.vacated.append(p)
             log_event(_log, "ray.bundle_vacated", service=name, roles=",".join(p.spec.roles))
 
+    async def _placed_on(self, p: Placed) -> str:
+        """The node of the instance's actor, once Ray placed it; bounded by --ray_placement_timeout_s
+        (a bundle whose node was lost waits for a node with room, or for one that joins)."""
+        timeout = self.cfg.ray_placement_timeout_s
+        try:
+            return await asyncio.wait_for(p.actor.node_ip.remote(), timeout)
+        except asyncio.TimeoutError:
+            group, _ = p.bundles[0]
+            raise ServiceStartError(
+                f"{p.spec.name}: no node took its bundle ({_describe([group.bundle_specs[p.bundles[0][1]]])} of "
+                f"{self.group_roles.get(id(group), 'its group')}) within --ray_placement_timeout_s {timeout:.0f} s; "
+                f"{cluster_summary()}. Its node was lost or is full: add a node (`ray start --address HEAD:6379`), "
+                "then resume with --load_checkpoint") from None
+
     async def _start_one(self, p: Placed, wait: bool, env: dict | None = None) -> None:
+        await self._placed_on(p)
         try:
             # The run's TLS settings and token (services.common.security); the token in env, not argv.
             secure_argv, secure_env = launch_settings(self.cfg, client_credentials())
@@ -409,9 +480,43 @@ class RayPlacement:
                                     f"{self.cfg.service_start_timeout_s + 60.0:.0f} s (`ray status` shows whether "
                                     "its placement group still has a node); raise --service_start_timeout_s if "
                                     "it only starts slowly") from None
-        p.address = info["address"]
+        p.address, p.node_ip, p.metrics_port = info["address"], info["node_ip"], info.get("metrics_port")
         log_event(_log, "ray.service_ready" if wait else "ray.service_started", service=p.spec.name,
                   address=p.address or "-", node=info["node_ip"], log=info["log"])
+        self._write_targets()
+
+    # ---- what reaches the driver from every node: logs, Prometheus targets ----
+    def _write_targets(self) -> None:
+        """run_dir/prometheus_targets.json (Prometheus file_sd_configs), rewritten whenever an instance
+        starts, restarts or leaves: each service's metrics port on its node, labelled by service and node."""
+        targets = [{"targets": [f"{p.node_ip}:{p.metrics_port}"],
+                    "labels": {"service": p.spec.name, "role": ",".join(p.spec.roles),
+                               "node": p.node_ip}}
+                   for p in self.placed if p.metrics_port and p.node_ip]
+        path = self.run_dir / TARGETS_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(targets, indent=1))
+        os.replace(tmp, path)
+
+    async def _copy_logs(self) -> None:
+        """Appends what the services on other nodes wrote since the last copy to run_dir/logs/<name>.log."""
+        for p in list(self.placed):
+            if not p.node_ip or p.node_ip == self._driver_ip or p.actor is None:
+                continue
+            key = (p.spec.name, p.node_ip)
+            try:
+                chunk = await asyncio.wait_for(p.actor.log_chunk.remote(self._log_offsets.get(key, 0)), 30)
+            except (asyncio.TimeoutError, ray.exceptions.RayError):
+                continue  # a dead node's last lines are lost with it; its restart logs anew
+            if chunk:
+                self._log_offsets[key] = self._log_offsets.get(key, 0) + len(chunk)
+                with open(pathlib.Path(self._log_dir) / f"{p.spec.name}.log", "ab") as f:
+                    f.write(chunk)
+
+    async def _mirror_logs(self, every_s: float = 2.0) -> None:
+        while True:
+            await self._copy_logs()
+            await asyncio.sleep(every_s)
 
     async def _start_learner(self) -> None:
         ranks = [p for p in self.placed if "learner" in p.spec.roles]
@@ -420,7 +525,7 @@ class RayPlacement:
             await self._start_one(ranks[0], wait=True)
             return
         # Rank 0 hosts the rendezvous store on a port free on its node; the others join it.
-        master_ip = await ranks[0].actor.node_ip.remote()
+        master_ip = await self._placed_on(ranks[0])
         master_port = await ranks[0].actor.free_port.remote()
         env = lambda r: {"RANK": str(r), "WORLD_SIZE": str(len(ranks)), "LOCAL_RANK": "0",  # noqa: E731
                          "MASTER_ADDR": master_ip, "MASTER_PORT": str(master_port)}
@@ -434,12 +539,15 @@ class RayPlacement:
     async def stop(self) -> None:
         if not ray.is_initialized():
             return
+        if self._mirror is not None:
+            self._mirror.cancel()
         stops = [p.actor.stop.remote(30.0) for p in self.placed if p.actor is not None]
         if stops:
             try:
                 await asyncio.wait_for(asyncio.gather(*stops, return_exceptions=True), 60.0)
             except asyncio.TimeoutError:
                 log_event(_log, "ray.stop_timeout", action="killing the actors")
+        await self._copy_logs()  # the last lines, written while the services stopped
         for p in self.placed:
             if p.actor is not None:
                 ray.kill(p.actor)
@@ -448,3 +556,30 @@ class RayPlacement:
         if self.started_ray:
             ray.shutdown()
         log_event(_log, "ray.stopped", services=len(self.placed))
+
+
+def forwarded_env() -> dict[str, str]:
+    """The driver's networking settings that every service on every node gets (FORWARDED_ENV)."""
+    return {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+
+
+def _describe(bundles: list[dict]) -> str:
+    """[{GPU: 1, CPU: 0.1}] x 4 -> '4 bundles of {GPU: 1, CPU: 0.1} (4 GPU, 0.4 CPU in all)'."""
+    total: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            total[k] = total.get(k, 0) + v
+    kinds = {json.dumps(b, sort_keys=True) for b in bundles}
+    shape = next(iter(kinds)) if len(kinds) == 1 else "mixed bundles"
+    return (f"{len(bundles)} bundle(s) of {shape} ("
+            + ", ".join(f"{v:g} {k}" for k, v in sorted(total.items())) + " in all)")
+
+
+def cluster_summary() -> str:
+    """What the cluster has: GPUs and CPUs in all, free now, and per live node."""
+    total, free = ray.cluster_resources(), ray.available_resources()
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    per_node = ", ".join(f"{n['NodeManagerAddress']}: {n['Resources'].get('GPU', 0):g} GPU / "
+                         f"{n['Resources'].get('CPU', 0):g} CPU" for n in nodes)
+    return (f"the cluster has {len(nodes)} live node(s) with {total.get('GPU', 0):g} GPU and {total.get('CPU', 0):g} "
+            f"CPU in all, {free.get('GPU', 0):g} GPU and {free.get('CPU', 0):g} CPU free ({per_node})")
