@@ -127,13 +127,28 @@ def marker_contents(world_size: int, zero_stage: int, models: list[str], global_
                        "models": models, "saved_at": time.time()}).encode()
 
 
-def check_compatible(folder: pathlib.Path, world_size: int, zero_stage: int, models: list[str]) -> dict:
-    """The marker of `folder` if this learner can load it; ValueError saying why not otherwise."""
+def layout_differs(marker: dict, world_size: int, zero_stage: int) -> bool:
+    """Whether the checkpoint of this marker was written under another ZeRO layout than this
+    learner's (stage 0 is the same on any number of ranks)."""
+    return marker["zero_stage"] != zero_stage or (zero_stage > 0 and marker["world_size"] != world_size)
+
+
+def check_compatible(folder: pathlib.Path, world_size: int, zero_stage: int, models: list[str],
+                     universal: bool = False) -> dict:
+    """The marker of `folder` if this learner can load it; ValueError saying why not otherwise.
+    universal (--use_ds_universal_ckpt): a checkpoint of another layout loads through DeepSpeed's
+    universal checkpoint (services/learner/universal.py)."""
     marker = read_marker(folder)
-    if marker["zero_stage"] != zero_stage or (zero_stage > 0 and marker["world_size"] != world_size):
-        raise ValueError(f"{folder} was saved with ZeRO stage {marker['zero_stage']} on {marker['world_size']} "
-                         f"ranks; this learner runs stage {zero_stage} on {world_size}: start it with the same "
-                         "--zero_stage and number of ranks")
+    if layout_differs(marker, world_size, zero_stage):
+        saved = (f"{folder} was saved with ZeRO stage {marker['zero_stage']} on {marker['world_size']} ranks; this "
+                 f"learner runs stage {zero_stage} on {world_size}")
+        if not universal:
+            raise ValueError(f"{saved}: start it with the same --zero_stage and number of ranks, or with "
+                             "--use_ds_universal_ckpt to convert the checkpoint to this layout")
+        if 0 in (marker["zero_stage"], zero_stage):
+            raise ValueError(f"{saved}: --use_ds_universal_ckpt converts between ZeRO stages 1, 2 and 3 only (a "
+                             "stage-0 checkpoint loads under stage 0 on any number of ranks); start it with "
+                             f"--zero_stage {marker['zero_stage']}")
     missing = [m for m in models if m not in marker["models"]]
     if missing:
         raise ValueError(f"{folder} has no {missing} state (it holds {marker['models']}); start the learner "

@@ -32,6 +32,11 @@ class LearnerConfig(ServerConfig, DeepSpeedOptions):
     logprobs_chunk_tokens: int = opt(4096, "--logprobs_head chunked: response tokens per chunk")
     weight_bucket_mb: int = opt(1024, "PushWeights: largest bucket of parameters sent in one broadcast, MiB")
     max_ckpt_num: int = flags.MAX_CKPT_NUM.field(3)
+    use_ds_universal_ckpt: bool = opt(False, "LoadCheckpoint of a checkpoint saved under another --zero_stage (1-3) "
+                                      "or number of ranks converts it to DeepSpeed's universal checkpoint (once, "
+                                      "into its global_step_N/universal/) and loads that, keeping weights, "
+                                      "optimizer states, LR schedule and step; without it such a checkpoint is "
+                                      "refused")
     max_len: int = opt(0, "longest sequence (prompt + response) accepted, tokens; 0 = the model's "
                        "max_position_embeddings")
     num_gpus: int = opt(1, "ranks to run on this machine when no launcher set RANK / WORLD_SIZE (one per GPU; "

@@ -274,11 +274,12 @@ def resolve_attn_implementation(name: str) -> str:
 
 
 def optimizer_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only: biases and norm weights (1-D) are not decayed."""
+    """Weight decay on matrices only: biases and norm weights (1-D) are not decayed. Under ZeRO-3 a
+    parameter is an empty placeholder of its partition; ds_shape is its real shape."""
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+            (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

@@ -27,7 +27,7 @@ from services.common.errors import failed_precondition
 from services.common.log import get_logger, log_event
 from services.common.logprobs import sequence_logprobs, token_logprobs
 from services.common import ownership
-from services.learner import checkpoint, logprob_head
+from services.learner import checkpoint, logprob_head, universal
 from services.learner.batches import MicroBatch, Sample, StepPlan, collate, ragged_rows
 from services.learner.config import LearnerConfig
 from services.learner.deepspeed_setup import (
@@ -343,6 +343,9 @@ class LearnerRank:
     def load_checkpoint(self, payload: dict) -> dict:
         folder = pathlib.Path(payload["path"])
         for name, engine in self._engines().items():
+            if payload.get("universal"):  # saved under another layout, converted by rank 0 (server.py)
+                universal.load(engine, pathlib.Path(payload["universal"]), name)
+                continue
             load_path, _ = engine.load_checkpoint(
                 str(folder), tag=name, load_optimizer_states=payload["load_optimizer_states"],
                 load_lr_scheduler_states=payload["load_optimizer_states"], load_module_strict=True)

@@ -20,7 +20,7 @@ from services.common.errors import ServiceError, failed_precondition, handle_err
 from services.common.log import get_logger, log_event
 from services.common.tensors import ragged_to_proto
 from services.common import ownership
-from services.learner import checkpoint
+from services.learner import checkpoint, universal
 from services.learner.batches import decode_experience, decode_sequences, forward_micro_batches, plan_training
 from services.learner.config import LearnerConfig
 from services.learner.learner_rank import LearnerRank
@@ -461,14 +461,28 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             models = ["actor"] + (["critic"] if self.rank0.critic is not None else [])
             try:
                 folder = checkpoint.resolve_checkpoint(pathlib.Path(request.ckpt_path), request.global_step)
-                checkpoint.check_compatible(folder, self.world, self.config.zero_stage, models)
+                marker = checkpoint.check_compatible(folder, self.world, self.config.zero_stage, models,
+                                                     universal=self.config.use_ds_universal_ckpt)
             except FileNotFoundError as exc:
                 raise ServiceError(grpc.StatusCode.NOT_FOUND, str(exc)) from exc
             except ValueError as exc:
                 raise failed_precondition(str(exc)) from exc
             load_optimizer = request.load_optimizer_states if request.HasField("load_optimizer_states") else True
-            payload = {"path": str(folder), "load_optimizer_states": load_optimizer}
+            convert = checkpoint.layout_differs(marker, self.world, self.config.zero_stage)
+            if convert and not load_optimizer:
+                raise invalid_argument("load_optimizer_states", None, f"is false, but {folder} has another layout",
+                                       "a checkpoint of another layout loads whole (optimizer and schedule too); "
+                                       "leave load_optimizer_states unset")
+            payload = {"path": str(folder), "load_optimizer_states": load_optimizer, "universal": None}
             async with self._weights_lock:
+                if convert:
+                    # On rank 0's side, in a thread: the ranks wait for the next command meanwhile,
+                    # and no collective times out however long the conversion takes.
+                    converted = await asyncio.to_thread(universal.prepare, folder, models)
+                    payload["universal"] = str(converted)
+                    log_event(log, "checkpoint.universal", request.request_id, path=str(converted),
+                              saved_ranks=marker["world_size"], saved_zero_stage=marker["zero_stage"],
+                              seconds=f"{timer.elapsed:.2f}")
                 results = await self._run("load_checkpoint", [payload] * self.world)
             step = int(checkpoint.STEP_DIR.match(folder.name).group(1))
             log_event(log, "checkpoint.loaded", request.request_id, path=str(folder), seconds=f"{timer.elapsed:.2f}")
