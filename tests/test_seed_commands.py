@@ -121,8 +121,9 @@ RL_COMMANDS = {"multi_node_ppo_70b": MULTI_NODE_PPO_70B, "multi_node_hybrid": MU
                "multi_node_64_gpus": MULTI_NODE_64_GPUS, "skill_ppo_hybrid": SKILL_PPO_HYBRID,
                "skill_ppo_step2": SKILL_PPO_STEP2, "skill_grpo": SKILL_GRPO}
 OFFLINE_COMMANDS = {"skill_rm": (SKILL_RM, RMConfig), "skill_dpo": (SKILL_DPO, DPOConfig)}
-# Flags of the documents that rlmesh rejects, each with a message naming what to use instead.
-REJECTED = {"use_ds_universal_ckpt": "--save_hf_ckpt"}
+# Flags of the documents that rlmesh rejects, each with a message naming what to use instead (none
+# since --use_ds_universal_ckpt is honoured).
+REJECTED: dict[str, str] = {}
 # simpleRL-reason's recipe (an Accelerate config in DeepSpeed mode), for `--deepspeed FILE`.
 ZERO3_RECIPE = """compute_environment: LOCAL_MACHINE
 distributed_type: DEEPSPEED

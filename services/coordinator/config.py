@@ -16,7 +16,6 @@ import json
 import os
 import pathlib
 import warnings
-from typing import ClassVar
 
 from services.common import flags
 from services.common.config import ConfigError, check_fields, opt
@@ -87,6 +86,10 @@ class CoordinatorConfig(ServerConfig):
     save_steps: int = opt(-1, "checkpoint every N global steps; -1 = only at the end")
     logging_steps: int = opt(1, "log metrics every N global steps")
     load_checkpoint: bool = opt(False, "resume from the latest complete checkpoint under --ckpt_path")
+    use_ds_universal_ckpt: bool = opt(False, "a checkpoint saved under another --zero_stage (1-3) or actor GPU count "
+                                      "resumes through DeepSpeed's universal checkpoint (the learner converts it "
+                                      "once, into its global_step_N/universal/), keeping step, data position, "
+                                      "optimizer states and LR schedule; without it such a resume is refused")
     max_ckpt_num: int = flags.MAX_CKPT_NUM.field(3)
     save_hf_ckpt: bool = opt(False, "with each checkpoint also export the actor in HF format")
     save_value_network: bool = opt(False, "also export the critic in HF format to {save_path}_critic at the end (the "
@@ -273,14 +276,6 @@ class CoordinatorConfig(ServerConfig):
     critic_needed: bool = opt(False, "the estimator needs a critic (gae)", derived=True)
     ref_needed: bool = opt(False, "a reference model is needed (init_kl_coef > 0)", derived=True)
     reward_model_needed: bool = opt(False, "rewards come from a reward model service role", derived=True)
-
-    # OpenRLHF options rlmesh does not have, each with what to use instead (an error, never ignored).
-    UNSUPPORTED_FLAGS: ClassVar[dict[str, str]] = {
-        "use_ds_universal_ckpt": "not supported: rlmesh resumes a checkpoint only under the --zero_stage and actor "
-                                 "GPU count it was saved with (and says so when they differ); to continue under "
-                                 "another layout, start from an HF export (--save_hf_ckpt writes one with each "
-                                 "checkpoint) with --pretrain",
-    }
 
     # ------------------------------------------------------------------------------------------
 
@@ -476,6 +471,9 @@ class CoordinatorConfig(ServerConfig):
             raise ConfigError("--save_steps 0: use -1 to save only at the end, or N >= 1")
         if self.load_checkpoint and not self.ckpt_path:
             raise ConfigError("--load_checkpoint needs --ckpt_path (the same folder the run saved to)")
+        if self.use_ds_universal_ckpt and self.zero_stage == 0:
+            raise ConfigError("--use_ds_universal_ckpt converts between ZeRO stages 1, 2 and 3; with --zero_stage 0 "
+                              "a checkpoint resumes on any number of GPUs without it: drop the flag, or pick a stage")
         if self.prompt_data_probs:
             probs = [float(p) for p in self.prompt_data_probs.split(",")]
             if len(probs) != len(self.prompt_data.split(",")):

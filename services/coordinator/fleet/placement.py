@@ -115,7 +115,8 @@ def learner_argv(cfg: CoordinatorConfig, total_steps: int, num_ranks: int) -> li
     if cfg.critic_needed:
         argv += ["--critic_pretrain", cfg.critic_pretrain or cfg.reward_pretrain or cfg.pretrain,
                  "--critic_learning_rate", str(cfg.critic_learning_rate)]
-    for flag in ("bf16", "gradient_checkpointing", "adam_offload", "packing_samples", "use_liger_kernel"):
+    for flag in ("bf16", "gradient_checkpointing", "adam_offload", "packing_samples", "use_liger_kernel",
+                 "use_ds_universal_ckpt"):
         if getattr(cfg, flag):
             argv.append(f"--{flag}")
     if cfg.flash_attn:
