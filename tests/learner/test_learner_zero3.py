@@ -2,7 +2,9 @@
 micro-batches and no critic; then checkpoints across a killed service process, and a failure on
 one rank.
 
-The module's first service serves the tests up to the checkpoint test, which kills it.
+The tests share one service (its start is most of the module's time) and pass in any order: none
+assumes what an earlier one trained, and the service is started again for the next test when the
+checkpoint test has killed it.
 """
 
 import concurrent.futures
@@ -47,10 +49,31 @@ def learner_args(model_dir) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def learner(tmp_path_factory, tiny_model_dir):
-    proc = start_learner(tmp_path_factory.mktemp("learner_z3"), *learner_args(tiny_model_dir))
-    yield proc
-    proc.stop()
+def learner_slot(tmp_path_factory, tiny_model_dir):
+    slot: dict = {"proc": None}
+    yield slot
+    if slot["proc"] is not None:
+        slot["proc"].stop()
+
+
+@pytest.fixture
+def learner(learner_slot, tmp_path_factory, tiny_model_dir):
+    """The module's running learner; a new one when the last was killed (the checkpoint test)."""
+    proc = learner_slot["proc"]
+    if proc is None or proc.popen.poll() is not None:
+        if proc is not None:
+            proc.stop()
+        learner_slot["proc"] = start_learner(tmp_path_factory.mktemp("learner_z3"), *learner_args(tiny_model_dir))
+    return learner_slot["proc"]
+
+
+def train_once(stub, vocab: int, seed: int) -> None:
+    """One TrainActor call, so that the weights differ from the initial ones whatever ran before."""
+    seqs, starts = random_sequences(TRAIN_BATCH, vocab, seed=seed)
+    batch = experience(seqs, starts, old_logprobs=logprobs(stub, seqs, starts),
+                       advantages=signed_advantages(seqs, starts))
+    stub.TrainActor(pb.TrainActorRequest(batch=batch, shuffle_seed=seed, loss=pb.ActorLoss(eps_clip_low=10.0)),
+                    timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +81,14 @@ def plain_model(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
-def test_logprobs_equal_a_plain_transformers_forward(learner, plain_model):
+def test_logprobs_equal_a_plain_transformers_forward(learner, plain_model, tmp_path):
+    # The plain model holds the learner's weights as they are now (other tests train them).
+    export_weights(learner.stub, tmp_path / "export")
+    current = AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
     # 5 samples over 2 ranks: one rank runs a pass with no samples of its own (ZeRO-3 needs it).
     seqs, starts = random_sequences(5, plain_model.config.vocab_size, seed=11)
     got = logprobs(learner.stub, seqs, starts)
-    want = reference_logprobs(plain_model, seqs, starts, world=2, micro=MICRO_FORWARD)
+    want = reference_logprobs(current, seqs, starts, world=2, micro=MICRO_FORWARD)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
@@ -106,10 +132,11 @@ def test_push_weights_gathers_partitions_bit_exact(learner, tmp_path):
     assert all(torch.equal(received[name], tensor) for name, tensor in trained.items())
 
 
-def test_push_weights_into_the_rollout_service(learner, tiny_model_dir, tmp_path):
+def test_push_weights_into_the_rollout_service(learner, plain_model, tiny_model_dir, tmp_path):
     """The conversation a coordinator runs: InitWeightTransfer on both sides at once, then each
     PushWeights chunk forwarded to the engine's UpdateWeights; the engine ends with the checksum
     the learner sent (the rollout service's transformers engine: no vLLM start-up needed)."""
+    train_once(learner.stub, plain_model.config.vocab_size, seed=15)  # weights unlike the engine's initial ones
     rollout = start_rollout(tmp_path, tiny_model_dir)
     try:
         engine = rollout_pb2_grpc.RolloutServiceStub(rollout.channel)
