@@ -24,7 +24,7 @@ DEFAULT_DIR = "/tmp/rlmesh-cluster"
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlmesh cluster", description=__doc__,
+    parser = argparse.ArgumentParser(prog="rlmesh cluster", description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default=DEFAULT_DIR, help="folder of the cluster's state and node logs")
     sub = parser.add_subparsers(dest="action", required=True)
