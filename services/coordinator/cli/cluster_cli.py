@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default=DEFAULT_DIR, help="folder of the cluster's state and node logs")
     sub = parser.add_subparsers(dest="action", required=True)
-    up = sub.add_parser("up", help="start a head and worker nodes")
+    up = sub.add_parser("up", allow_abbrev=False, help="start a head and worker nodes")
     up.add_argument("--workers", type=int, default=2, help="worker nodes")
     up.add_argument("--gpus_per_node", type=int, default=2, help="(logical) GPUs each worker declares")
     up.add_argument("--head_gpus", type=int, default=0, help="GPUs the head declares (0: the driver's node only)")
@@ -36,13 +36,13 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--object_store_mb", type=int, default=80, help="object store per node, MiB (Ray's least is 75)")
     up.add_argument("--port", type=int, default=6379, help="the head's GCS port (workers join HEAD:PORT)")
     up.add_argument("--dashboard_port", type=int, default=8265, help="dashboard / job submission port on 127.0.0.1")
-    join = sub.add_parser("join", help="start one more worker node")
+    join = sub.add_parser("join", allow_abbrev=False, help="start one more worker node")
     join.add_argument("--gpus", type=int, default=2, help="(logical) GPUs it declares")
     join.add_argument("--cpus", type=int, default=1, help="CPUs it declares")
-    kill = sub.add_parser("kill", help="SIGKILL a worker node and every process on it (a lost machine)")
+    kill = sub.add_parser("kill", allow_abbrev=False, help="SIGKILL a worker node and every process on it (a lost machine)")
     kill.add_argument("ip", help="the node's address, e.g. 127.0.0.4 (`rlmesh cluster status` lists them)")
-    sub.add_parser("status", help="the nodes, the GCS address and the job-submission URL")
-    sub.add_parser("down", help="stop every node")
+    sub.add_parser("status", allow_abbrev=False, help="the nodes, the GCS address and the job-submission URL")
+    sub.add_parser("down", allow_abbrev=False, help="stop every node")
     return parser
 
 
