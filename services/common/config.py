@@ -54,6 +54,10 @@ def build_parser(cls, description: str = "", parser: argparse.ArgumentParser | N
     # `--deepspeed FILE` must not become --deepspeed_enable_sleep).
     parser = parser or argparse.ArgumentParser(
         allow_abbrev=False, prog=f"python -m {cls.__module__.rsplit('.', 1)[0]}", description=description or (cls.__doc__ or "").strip(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    if openrlhf_namespaced(cls):
+        parser.epilog = ("OpenRLHF 0.11's namespaced options (--actor.num_nodes, --ds.zero_stage, --train.colocate_all, "
+                         "...) are taken too, each as the option above with its meaning or refused with what to use "
+                         "instead: services/common/openrlhf_names.py lists them.")
     parser.add_argument("--config", default=None, metavar="FILE.yaml",
                         help="YAML file whose keys are any of the options below (the command line wins)")
     hints = typing.get_type_hints(cls)
@@ -100,16 +104,33 @@ def from_mapping(cls, values: dict, source: str):
     return values
 
 
+def openrlhf_namespaced(cls) -> bool:
+    """cls takes OpenRLHF 0.11's namespaced options too (services/common/openrlhf_names.py)."""
+    return bool(getattr(cls, "OPENRLHF_NAMESPACED", False))
+
+
 def parse_config(cls, argv=None, description: str = ""):
     """Parses argv (default sys.argv[1:]) into a validated `cls` instance; exits on errors."""
     parser = build_parser(cls, description)
-    message = unsupported(cls, _option_names(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if openrlhf_namespaced(cls):
+        from services.common.openrlhf_names import translate_argv
+
+        try:
+            argv = translate_argv(cls, argv)
+        except ConfigError as exc:
+            parser.exit(2, f"config error: {exc}\n")
+    message = unsupported(cls, _option_names(argv))
     if message:
         parser.exit(2, f"config error: {message}\n")
     args = parser.parse_args(argv)
     try:
         return config_from_args(cls, args)
     except ConfigError as exc:
+        from services.common.user_errors import debug_enabled  # that module imports this one
+
+        if debug_enabled():
+            raise  # the command's run_command prints it with its traceback
         parser.exit(2, f"config error: {exc}\n")
 
 
@@ -122,6 +143,8 @@ def config_from_args(cls, args: argparse.Namespace):
         loaded = yaml.safe_load(path.read_text()) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"--config {path}: must be a mapping of option: value")
+        if openrlhf_namespaced(cls):
+            loaded = _namespaced_keys(cls, loaded, str(path))
         values.update(from_mapping(cls, {k.replace("-", "_"): v for k, v in loaded.items()}, str(path)))
     for f in dataclasses.fields(cls):
         given = getattr(args, f.name, None)
@@ -132,6 +155,24 @@ def config_from_args(cls, args: argparse.Namespace):
     if validate is not None:
         validate()
     return config
+
+
+def _namespaced_keys(cls, loaded: dict, source: str) -> dict:
+    """A YAML file's OpenRLHF 0.11 keys (`ds.zero_stage: 3` or `ds: {zero_stage: 3}`) as cls's flat ones."""
+    from services.common.openrlhf_names import mapping_to_argv, translate_argv
+
+    tokens, rest = mapping_to_argv(loaded)
+    if not tokens:
+        return loaded
+    try:
+        argv = translate_argv(cls, tokens)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    both = sorted(set(_option_names(argv)) & {k.replace("-", "_") for k in rest})
+    if both:
+        raise ConfigError(f"{source}: {', '.join(both)} given twice (an OpenRLHF 0.11 key and the flat one); keep one")
+    parsed = build_parser(cls).parse_args(argv)
+    return {**rest, **{k: v for k, v in vars(parsed).items() if v is not None and k != "config"}}
 
 
 def to_argv(config) -> list[str]:

@@ -16,6 +16,7 @@ import json
 import os
 import pathlib
 import warnings
+from typing import ClassVar
 
 from services.common import flags
 from services.common.config import ConfigError, check_fields, opt
@@ -277,6 +278,8 @@ class CoordinatorConfig(ServerConfig):
     ref_needed: bool = opt(False, "a reference model is needed (init_kl_coef > 0)", derived=True)
     reward_model_needed: bool = opt(False, "rewards come from a reward model service role", derived=True)
 
+    # OpenRLHF 0.11's namespaced options are taken too (services/common/openrlhf_names.py).
+    OPENRLHF_NAMESPACED: ClassVar[bool] = True
     # ------------------------------------------------------------------------------------------
 
     def loss_levels(self) -> tuple[str, str]:

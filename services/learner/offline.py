@@ -28,7 +28,7 @@ import socket
 import time
 import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +73,9 @@ class PreferenceKeys:
 @dataclasses.dataclass
 class OfflineConfig(DeepSpeedOptions):
     """Flags of every offline trainer; DeepSpeed and optimizer flags come from DeepSpeedOptions."""
+
+    # OpenRLHF 0.11's namespaced options are taken too (services/common/openrlhf_names.py).
+    OPENRLHF_NAMESPACED: ClassVar[bool] = True
 
     pretrain: str = opt("", "local folder of the model to start from (Hugging Face format)")
     dataset: str = opt("", "training data: JSONL / JSON / Parquet / Arrow / CSV files or datasets.save_to_disk "
