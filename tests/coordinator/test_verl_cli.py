@@ -75,8 +75,10 @@ def test_a_verl_grpo_command_becomes_the_same_rlmesh_run(tiny_model_dir, tiny_re
     assert (cfg.num_episodes, cfg.save_steps, cfg.load_checkpoint) == (15, 20, True)
     assert cfg.ckpt_path == str(tmp_path / "ckpt") and cfg.wandb_project == "verl_grpo_example_gsm8k"
     assert cfg.reward_func == "math" and not cfg.use_wandb
+    # trainer.critic_warmup=0 is read (rlmesh's behaviour); another value is refused below.
     assert ignored == ["actor_rollout_ref.actor.fsdp_config.param_offload", "data.filter_overlong_prompts",
-                       "data.truncation", "trainer.critic_warmup"]
+                       "data.truncation"]
+    assert not cfg.disable_ds_ckpt  # trainer.save_freq=20 saves
     # veRL's defaults where rlmesh's differ: no KL at all unless asked, and the rest as veRL has it.
     one_cpu = [f"data.train_files={train}", f"actor_rollout_ref.model.path={tiny_model_dir}", "trainer.n_gpus_per_node=1",
                "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "trainer.logger=console"]
@@ -104,6 +106,12 @@ def test_a_verl_grpo_command_becomes_the_same_rlmesh_run(tiny_model_dir, tiny_re
     (["actor_rollout_ref.rollout.multi_turn.enable=True"], "--agent_func_path"),
     (["trainer.n_gpus_per_node=3"], "does not divide the 3 GPUs"),
     (["data.train_batch_size"], "expected a veRL override key=value"),
+    (["trainer.critic_warmup=5"], "trainer.critic_warmup=5: training the critic alone"),
+    (["actor_rollout_ref.model.lora_rank=32"], "LoRA is not supported yet"),
+    (["actor_rollout_ref.rollout.do_sample=False"], "greedy rollouts are not supported"),
+    (["data.shuffle=False"], "data.shuffle=False"),
+    (["reward_model.reward_manager=prime"], "reward_model.reward_manager=prime"),
+    (["actor_rollout_ref.actor.optim.min_lr_ratio=0.2"], "min_lr_ratio=0.2"),
 ])
 def test_what_cannot_run_here_is_named(args, words):
     with pytest.raises(ConfigError, match=None) as err:
@@ -144,3 +152,43 @@ def test_a_verl_command_trains_on_verl_data_with_a_verl_reward_file(tiny_model_d
     labels = {str(json.loads(line)["label"]) for line in (tiny_data_dir / "arith_train.jsonl").read_text().splitlines()}
     assert len(calls) == 16 and all(source == "arith" and truth in labels for source, truth in calls)
     assert (tmp_path / "ckpt" / "final").is_dir()  # the final model, under trainer.default_local_dir
+
+
+def test_simplerl_remove_clip_trains_the_unclipped_objective_and_save_freq_minus_one_never_saves(tiny_model_dir):
+    """simpleRL-reason's trainer.remove_clip=True: loss = -ratio x advantage, no clipping of any kind.
+    The clip range it becomes is checked against rl_math's loss: values and gradients equal the
+    unclipped objective even at ratios that veRL's clip (0.2) and dual clip (3) would bound."""
+    import torch
+
+    from services.common.rl_math import policy_loss
+
+    base = ["data.train_files=t.parquet", f"actor_rollout_ref.model.path={tiny_model_dir}",
+            "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+            "trainer.logger=console", "actor_rollout_ref.actor.clip_ratio_high=0.28"]
+    cfg, ignored, _ = config_of([*base, "trainer.remove_clip=True"])
+    assert "trainer.remove_clip" not in ignored and cfg.eps_clip_low_high == []
+    assert (cfg.eps_clip, cfg.dual_clip) == (1e9, 0.0)
+    clipped_cfg, _, _ = config_of(base)
+    assert (clipped_cfg.eps_clip_low_high, clipped_cfg.dual_clip) == ([0.2, 0.28], 3.0)
+
+    old = torch.log(torch.tensor([[0.5, 0.2, 0.1, 0.3], [0.4, 0.05, 0.6, 0.2]]))
+    logp = (old + torch.tensor([[3.0, -2.5, 0.0, 5.0], [-4.0, 2.0, 0.1, -0.3]])).requires_grad_()  # ratios e^-4..e^5
+    adv = torch.tensor([[1.0, 1.0, -2.0, -1.5], [0.5, -1.0, 2.0, -0.5]])
+    mask = torch.ones_like(adv)
+
+    def loss_and_grad(eps_low, eps_high, dual_clip):
+        logp.grad = None
+        out = policy_loss(logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
+        out.loss.backward()
+        return out.loss.detach(), logp.grad.clone(), out.clip_ratio
+
+    loss, grad, clip_fraction = loss_and_grad(cfg.eps_clip, cfg.eps_clip, cfg.dual_clip or None)
+    ratio = torch.exp(logp.detach() - old)
+    assert torch.allclose(loss, -(ratio * adv).mean(), rtol=1e-6)
+    assert torch.allclose(grad, -(ratio * adv) / adv.numel(), rtol=1e-6)  # d(-r A)/d logp = -r A, per token mean
+    assert float(clip_fraction) == 0.0
+    veRL_loss, _, _ = loss_and_grad(0.2, 0.28, 3.0)
+    assert not torch.allclose(veRL_loss, loss)  # what training went on with while the key was ignored
+
+    # trainer.save_freq=-1 (veRL's default): never save a checkpoint.
+    assert (cfg.save_steps, cfg.disable_ds_ckpt) == (-1, True)

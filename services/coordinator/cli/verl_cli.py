@@ -17,7 +17,10 @@ of rollout.tensor_model_parallel_size GPUs (--colocate_all_models, sleep between
 Keys with no meaning here (FSDP and Megatron internals, padding removal, Ulysses, dynamic batch
 sizes) are listed in a warning and otherwise ignored; a key that would change what is trained and
 that rlmesh cannot honour (another rollout backend or advantage estimator, multi-turn rollouts in
-veRL's format, an unknown KL estimator) is a ConfigError naming it. Without a reward model or a
+veRL's format, an unknown KL estimator, and the keys of REFUSED when set to anything but veRL's
+default) is a ConfigError naming it. simpleRL-reason's `trainer.remove_clip=True` (its fork: the
+unclipped loss -ratio x advantage) is honoured; `trainer.save_freq=-1` (veRL's default) writes no
+checkpoint, only the final model. Without a reward model or a
 custom_reward_function, veRL scores by data_source with its built-in rules; here that is
 `--reward_func math` (math-verify on the final answer: \\boxed{}, "the answer is", else the last
 number, which reads GSM8K's `#### 42`). The label is the row's reward_model.ground_truth, except
@@ -53,14 +56,36 @@ DEFAULTS: dict[str, object] = {
     "algorithm.kl_ctrl.target_kl": 0.1, "trainer.total_epochs": 30, "trainer.nnodes": 1, "trainer.n_gpus_per_node": 8,
     "trainer.save_freq": -1, "trainer.test_freq": -1, "trainer.project_name": "verl_examples",
     "trainer.experiment_name": "gsm8k", "trainer.logger": ["console", "wandb"], "trainer.resume_mode": "auto",
-    "custom_reward_function.name": "compute_score", "reward_model.enable": False,
+    "custom_reward_function.name": "compute_score", "reward_model.enable": False, "trainer.remove_clip": False,
 }
 
+UNCLIPPED = 1e9  # trainer.remove_clip's clip range: beyond any ratio rlmesh computes
 ADVANTAGE = {"gae": "gae", "grpo": "group_norm", "rloo": "rloo", "reinforce_plus_plus": "reinforce",
              "reinforce_plus_plus_baseline": "reinforce_baseline"}
 KL = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
 LOSS_AGG = {"token-mean": "token_mean", "seq-mean-token-mean": "seq_mean_token_mean",
             "seq-mean-token-sum": "seq_mean_token_sum"}
+
+# Keys that change what is trained and that rlmesh does not do: given with a value other than veRL's
+# default (which is rlmesh's behaviour too), they are a ConfigError with what to use instead.
+REFUSED: dict[str, tuple[tuple[object, ...], str]] = {
+    "trainer.critic_warmup": ((0,), "training the critic alone for the first steps is not supported"),
+    "trainer.val_only": ((False,), "for evaluation alone use `rlmesh eval --pretrain DIR --eval_dataset FILE`"),
+    R + "do_sample": ((True,), "greedy rollouts are not supported; sampling is set by rollout.temperature"),
+    R + "ignore_eos": ((False,), "responses end at the end-of-sequence token"),
+    "actor_rollout_ref.model.lora_rank": ((0,), "LoRA is not supported yet: rlmesh trains every weight of the model"),
+    "algorithm.use_pf_ppo": ((False,), "preference-feedback PPO (sample reweighting) is not supported"),
+    A + "optim.lr_warmup_steps": ((-1, None), "give the warm-up as actor_rollout_ref.actor.optim.lr_warmup_steps_ratio"),
+    A + "optim.min_lr_ratio": ((None, 0.0), "rlmesh's cosine schedule ends at 0.1 x the peak learning rate; use "
+                                            "actor_rollout_ref.actor.optim.warmup_style=constant, or the rlmesh flags"),
+    "data.shuffle": ((True,), "rlmesh shuffles the prompts with data.seed"),
+    "reward_model.reward_manager": (("naive", "batch"), "rlmesh calls the reward function per sample "
+                                                        "(compute_score) or per batch (compute_score with lists) as "
+                                                        "veRL's naive and batch managers do; DAPO's overlong penalty "
+                                                        "is reward_model.overlong_buffer.*"),
+    "custom_reward_function.reward_kwargs": (({}, None), "extra keyword arguments to the reward function are not "
+                                                         "passed; give them defaults in the function"),
+}
 
 # Keys read by translate(): everything else the user gives is reported as having no effect.
 READ = set(DEFAULTS) | {
@@ -74,7 +99,7 @@ READ = set(DEFAULTS) | {
     "custom_reward_function.path", "algorithm.filter_groups.enable", "algorithm.filter_groups.max_num_gen_batches",
     "reward_model.overlong_buffer.enable", "reward_model.overlong_buffer.len",
     "reward_model.overlong_buffer.penalty_factor", "trainer.total_training_steps", "trainer.default_local_dir",
-    "trainer.max_actor_ckpt_to_keep", "ray_init.num_cpus",
+    "trainer.max_actor_ckpt_to_keep", "ray_init.num_cpus", "trainer.remove_clip", *REFUSED,
 }
 
 
@@ -218,12 +243,18 @@ def translate(overrides: dict[str, object]) -> tuple[list[str], list[str]]:
     flag("l2", get(A + "optim.weight_decay"))
     flag("max_norm", get(A + "grad_clip"))
     low, high = get(A + "clip_ratio_low"), get(A + "clip_ratio_high")
-    if low is not None or high is not None:
+    if get("trainer.remove_clip"):
+        # simpleRL-reason's fork of veRL: the policy loss is -ratio x advantage, unclipped. A clip range no ratio
+        # can reach (rlmesh bounds the log-ratio to [-20, 20], e^20 < 1e9) and no dual clip give exactly that.
+        flag("eps_clip", UNCLIPPED)
+        flag("dual_clip", 0)
+    elif low is not None or high is not None:
         flag("eps_clip_low_high", [str(low if low is not None else get(A + "clip_ratio")),
                                    str(high if high is not None else get(A + "clip_ratio"))])
+        flag("dual_clip", get(A + "clip_ratio_c"))
     else:
         flag("eps_clip", get(A + "clip_ratio"))
-    flag("dual_clip", get(A + "clip_ratio_c"))
+        flag("dual_clip", get(A + "clip_ratio_c"))
     flag("loss_agg_mode", one_of(A + "loss_agg_mode", LOSS_AGG, "loss aggregation"))
     flag("entropy_loss_coef", get(A + "entropy_coeff"))
     if str(get(A + "policy_loss.loss_mode") or "vanilla") not in ("vanilla", "gspo"):
@@ -273,7 +304,12 @@ def translate(overrides: dict[str, object]) -> tuple[list[str], list[str]]:
     flag("num_episodes", get("trainer.total_epochs"))
     if get("trainer.total_training_steps"):
         flag("max_steps", get("trainer.total_training_steps"))
-    flag("save_steps", get("trainer.save_freq"))
+    if int(get("trainer.save_freq")) <= 0:
+        # veRL's -1: no checkpoints at all (the final model is still written to default_local_dir/final).
+        flag("save_steps", -1)
+        flag("disable_ds_ckpt")
+    else:
+        flag("save_steps", get("trainer.save_freq"))
     flag("eval_steps", get("trainer.test_freq"))
     local_dir = get("trainer.default_local_dir") or (
         f"checkpoints/{get('trainer.project_name')}/{get('trainer.experiment_name')}")
@@ -296,6 +332,9 @@ def translate(overrides: dict[str, object]) -> tuple[list[str], list[str]]:
         flag("use_tensorboard", f"{local_dir}/tensorboard")
     if get("ray_init.num_cpus"):
         flag("ray_num_cpus", get("ray_init.num_cpus"))
+    for key, (defaults, advice) in REFUSED.items():
+        if key in overrides and overrides[key] not in defaults:
+            raise ConfigError(f"{key}={overrides[key]}: {advice}")
     ignored = sorted(k for k in overrides if k not in READ)
     return argv, ignored
 
