@@ -85,6 +85,27 @@ def test_admit_fresh_drops_whole_groups_past_the_bound():
         admit_fresh(samples, 2, 5, 1, "wait")
 
 
+def test_admit_fresh_never_trains_tokens_older_than_the_runs_first_version():
+    """An engine restarted unseen (static placement) generates at version 0 from its --pretrain
+    until the next step start pushes to it. The run's first version was 1 (setup pushed it), so
+    such a sample is never trained, even where --max_staleness alone would admit it (trained
+    version 3, bound 4), and under --staleness_policy wait it is dropped, not a failed gate."""
+    samples = _samples([3, 3, 0, 3, 2, 2])  # three groups of 2; the second holds a version-0 sample
+    for policy in ("drop", "wait"):
+        kept, metrics = admit_fresh(samples, 2, 3, 4, policy, first_version=1)
+        assert kept == samples[:2] + samples[4:], policy
+        assert metrics["async/dropped_lost_weights_samples"] == 2
+        assert metrics["async/dropped_stale_samples"] == 0
+    # Per-token versions: one version-0 token (the restart happened mid-episode) is enough.
+    samples = _samples([3, 3])
+    samples[1].token_versions = torch.tensor([0, 3])
+    kept, metrics = admit_fresh(samples, 2, 3, 4, "drop", first_version=1)
+    assert kept == [] and metrics["async/dropped_lost_weights_samples"] == 2
+    # A run whose engines started with the learner's weights (first version 0) trains version 0.
+    kept, metrics = admit_fresh(samples, 2, 3, 4, "drop", first_version=0)
+    assert kept == samples and "async/dropped_lost_weights_samples" not in metrics
+
+
 def test_partial_rollout_samples_are_as_stale_as_their_oldest_token():
     """A sample a --partial_rollout push split (versions 3 then 4, from the rollout service's
     token_weight_versions) counts as version 3: past the bound of 0 under version 4, within 1."""

@@ -69,20 +69,30 @@ def token_versions(response) -> torch.Tensor | None:
 
 
 def admit_fresh(samples: list, n_per_prompt: int, trained_version: int, max_staleness: int,
-                policy: str) -> tuple[list, dict[str, float]]:
+                policy: str, first_version: int = 0) -> tuple[list, dict[str, float]]:
     """Drops whole groups (n_per_prompt consecutive samples) that hold a sample more than
-    max_staleness versions older than trained_version, or a failed agent episode; returns the
-    kept samples and metrics (staleness histogram over every sample offered, dropped counts).
+    max_staleness versions older than trained_version, a token older than first_version, or a
+    failed agent episode; returns the kept samples and metrics (staleness histogram over every
+    sample offered, dropped counts).
 
-    With policy "wait" nothing can be past the bound; one that is means the gate failed, and
+    first_version: the run's first weight version (the one its setup pushed; 0 when the engines
+    started with the learner's weights). A token older than it came from weights that were never
+    the run's: an engine restarted unseen (static placement: back on the same address between two
+    health checks) generates at version 0, from its --pretrain, until the next step start pushes
+    to it. Such groups are dropped under either policy, however young max_staleness would let them
+    be, and counted in async/dropped_lost_weights_samples.
+
+    With policy "wait" nothing else can be past the bound; one that is means the gate failed, and
     that is an error rather than a silent drop."""
     staleness = [trained_version - s.oldest_version for s in samples]
     keep: list = []
-    dropped = failed = 0
+    dropped = failed = lost = 0
     for g in range(0, len(samples), n_per_prompt):
         group = samples[g:g + n_per_prompt]
         if any(s.failed for s in group):
             failed += len(group)
+        elif any(s.oldest_version < first_version for s in group):
+            lost += len(group)
         elif max(staleness[g:g + n_per_prompt], default=0) > max_staleness:
             if policy == "wait":
                 worst = max(staleness[g:g + n_per_prompt])
@@ -104,6 +114,10 @@ def admit_fresh(samples: list, n_per_prompt: int, trained_version: int, max_stal
         1 for s in samples if s.token_versions is not None and s.token_versions.min() != s.token_versions.max()))
     if failed:
         metrics["agent/dropped_failed_group_samples"] = float(failed)
+    if lost:
+        metrics["async/dropped_lost_weights_samples"] = float(lost)
+        log_event(_log, "async.dropped_lost_weights", samples=lost, first_version=first_version,
+                  oldest=min(s.oldest_version for s in samples), level=30)
     return keep, metrics
 
 

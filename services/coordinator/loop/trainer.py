@@ -94,6 +94,9 @@ class Trainer:
         self.trained_step = 0  # the last step whose TrainActor succeeded (a redo would train twice)
         self.lost_samples = 0  # samples of the last failed step attempt
         self.async_steps = AsyncSteps(self) if cfg.async_train else None  # --async_train
+        # The weight version setup established (admit_fresh trains nothing older): 0 when the engines
+        # started with the learner's weights, else the version of setup's push.
+        self.first_version = 0
         self.agents = AgentRunner(cfg, self.pool) if cfg.agent_func_path else None  # started in setup()
         self.calls.agents = self.agents
 
@@ -160,6 +163,7 @@ class Trainer:
             await self.push_weights()
         else:
             self.state.weight_version = 0
+        self.first_version = self.state.weight_version
         await self.colocation.offload_learner()
 
     def _service_entries(self) -> list[ServiceEntry]:
@@ -307,7 +311,8 @@ class Trainer:
         t0 = time.monotonic()
         samples = collector.kept_samples(max_groups=cfg.rollout_batch_size)
         samples, staleness = admit_fresh(samples, cfg.n_samples_per_prompt, self.state.weight_version,
-                                         cfg.max_staleness if cfg.async_train else 0, cfg.staleness_policy)
+                                         cfg.max_staleness if cfg.async_train else 0, cfg.staleness_policy,
+                                         self.first_version)
         batch = learn.training_batch(cfg, samples, self.state.kl_coef, self.use_ref, self.use_critic)
         times["advantages"] = time.monotonic() - t0
         # ---- train ----
