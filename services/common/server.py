@@ -116,6 +116,8 @@ class ServiceRunner:
         self.port: int | None = None
         self.metrics_port: int | None = None
         self._stop = asyncio.Event()
+        self._grace_s = config.grace_period_s
+        self.exit_code = 0  # what run_service exits with once the server stopped
 
     def add(self, add_fn, servicer, full_service_name: str) -> None:
         """Registers a servicer, e.g. add(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, s, "rlmesh.rollout.v1.RolloutService")."""
@@ -173,15 +175,21 @@ class ServiceRunner:
             log_event(self.log, "server.unauthenticated", level=logging.WARNING, note=self.exposure_warning)
         return self.port
 
-    def request_stop(self) -> None:
+    def request_stop(self, exit_code: int = 0, grace_s: float | None = None) -> None:
+        """Starts the graceful shutdown. exit_code: non-zero when the service can no longer serve
+        (e.g. its engine died), so that whatever supervises the process restarts it; grace_s: how long
+        in-flight calls may still run (default --grace_period_s)."""
+        self.exit_code = exit_code
+        if grace_s is not None:
+            self._grace_s = grace_s
         self._stop.set()
 
     async def wait_for_termination(self) -> None:
         """Runs until SIGTERM/SIGINT (or request_stop), then shuts down gracefully."""
         await self._stop.wait()
-        log_event(self.log, "server.stopping", grace_s=self.config.grace_period_s)
+        log_event(self.log, "server.stopping", grace_s=self._grace_s, exit_code=self.exit_code)
         await self._set_status(False)
-        await self.server.stop(self.config.grace_period_s)
+        await self.server.stop(self._grace_s)
         for callback in self.on_shutdown:
             result = callback()
             if asyncio.iscoroutine(result):
@@ -190,17 +198,27 @@ class ServiceRunner:
 
 
 def run_service(name: str, config: ServerConfig, build: Callable[[ServiceRunner], Awaitable[None]]) -> None:
-    """Runs a service: build(runner) creates its engines and registers servicers; then serve until SIGTERM."""
+    """Runs a service: build(runner) creates its engines and registers servicers; then serve until
+    SIGTERM (exit code 0) or until the service asks to stop (runner.request_stop's exit code)."""
 
-    async def main() -> None:
+    async def main() -> int:
         runner = ServiceRunner(name, config)
         await build(runner)
         await runner.start()
         await runner.wait_for_termination()
+        return runner.exit_code
 
     try:
-        asyncio.run(main())
+        exit_code = asyncio.run(main())
     except KeyboardInterrupt:
         sys.exit(130)
     except ConfigError as exc:  # e.g. an unauthenticated non-loopback address: the message, no traceback
         sys.exit(f"config error: {exc}")
+    if exit_code:
+        # A service that gives up (e.g. its engine died) leaves at once, so that its supervisor can
+        # restart it: its server and engine are stopped already, and the interpreter's teardown is
+        # skipped (libtorch's static destructors alone take seconds, tens of seconds on a busy machine).
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)

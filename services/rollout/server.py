@@ -12,12 +12,17 @@ new weights and report the version of each token.
 Weights state: READY (Generate served), UPDATING (a multi-chunk push is under way) or INCOMPLETE
 (a push failed part-way, or Sleep(level=2) discarded the weights). Only a complete push makes the
 engine READY again: it never serves a mix of old and new weights.
+
+A dead engine is a dead service: when vLLM's engine-core process dies, the service reports
+NOT_SERVING at once and exits with ENGINE_DEAD_EXIT_CODE, so that its supervisor restarts it like
+any other rollout death (exit_when_engine_dies).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -44,6 +49,9 @@ SLEEP_TAGS = ("weights", "kv_cache")
 _FINISH = {"stop": rollout_pb2.FINISH_REASON_STOP, "length": rollout_pb2.FINISH_REASON_LENGTH,
            "abort": rollout_pb2.FINISH_REASON_ABORT}
 _ENGINE_KINDS = {"vllm": rollout_pb2.ENGINE_KIND_VLLM, "hf": rollout_pb2.ENGINE_KIND_HF}
+ENGINE_POLL_S = 0.25  # how often the service asks whether its engine still lives
+ENGINE_DEAD_EXIT_CODE = 3
+ENGINE_DEAD_GRACE_S = 2.0  # in-flight calls fail on a dead engine; this lets their errors reach the callers
 
 log = get_logger("rollout")
 
@@ -447,7 +455,27 @@ async def build(runner: ServiceRunner, config: RolloutConfig) -> None:
     tokenizer = AutoTokenizer.from_pretrained(config.pretrain, trust_remote_code=config.trust_remote_code)
     servicer = RolloutServicer(config, engine, tokenizer, digests, runner.set_serving)
     runner.add(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, servicer, SERVICE_NAME)
+    watch = asyncio.get_running_loop().create_task(exit_when_engine_dies(engine, runner))
+    runner.on_shutdown.append(watch.cancel)  # first: an engine shut down on purpose is not a death
     runner.on_shutdown.append(engine.shutdown)
     f = engine.facts
     log_event(log, "engine.ready", engine=f.engine_version, dtype=f.dtype, max_model_len=f.max_model_len,
               checksum=servicer.checksum, seconds=f"{time.perf_counter() - start:.1f}")
+
+
+async def exit_when_engine_dies(engine: Engine, runner: ServiceRunner) -> None:
+    """Once the engine is dead, reports NOT_SERVING and stops the service with ENGINE_DEAD_EXIT_CODE.
+
+    vLLM's AsyncLLM watches its engine-core process on a thread of its own and marks itself
+    errored when that process dies; nothing calls back, so the flag is polled (a cheap read).
+    Without this the service would keep serving health SERVING with an engine that can do nothing,
+    and the supervisor would learn of it only from a failed weight push.
+    """
+    while not engine.is_dead():
+        await asyncio.sleep(ENGINE_POLL_S)
+    log_event(log, "engine.dead", level=logging.ERROR, engine=engine.facts.engine_version,
+              exit_code=ENGINE_DEAD_EXIT_CODE, note="the engine can no longer generate (its engine-core process "
+              "died; see the lines above); the service reports NOT_SERVING and exits so that its supervisor "
+              "restarts it")
+    runner.set_serving(False)
+    runner.request_stop(exit_code=ENGINE_DEAD_EXIT_CODE, grace_s=ENGINE_DEAD_GRACE_S)

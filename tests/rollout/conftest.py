@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.rollout.helpers import MAX_MODEL_LEN, start_rollout, stop_rollout
-
-ENGINE_ARGS = ("--dtype", "float32", "--max_model_len", str(MAX_MODEL_LEN), "--seed", "0")
+from tests.rollout.helpers import ENGINE_ARGS, VLLM_ARGS, start_rollout, stop_rollout
 
 
 @pytest.fixture(scope="session")
 def vllm_rollout(tiny_model_dir, tmp_path_factory):
-    service = start_rollout(tiny_model_dir, tmp_path_factory.mktemp("rollout_vllm"), *ENGINE_ARGS,
-                            "--engine", "vllm", "--gpu_memory_utilization", "0.1", "--enforce_eager",
+    service = start_rollout(tiny_model_dir, tmp_path_factory.mktemp("rollout_vllm"), *VLLM_ARGS,
                             # Token streaming, for the partial-push test; coordinator runs without
                             # --partial_rollout cover the whole-sample outputs.
                             "--partial_rollout")

@@ -23,6 +23,9 @@ from services.common.tensors import from_proto, to_proto
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 256
+# The tiny model in float32 (so that vLLM, the hf engine and a transformers forward pass compare tightly).
+ENGINE_ARGS = ("--dtype", "float32", "--max_model_len", str(MAX_MODEL_LEN), "--seed", "0")
+VLLM_ARGS = (*ENGINE_ARGS, "--engine", "vllm", "--gpu_memory_utilization", "0.1", "--enforce_eager")
 
 
 @dataclasses.dataclass
@@ -84,8 +87,6 @@ def stop_rollout(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait(10)
-
-
 
 
 def token_prompt(prompt_id: str, ids) -> rollout_pb2.Prompt:
