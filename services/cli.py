@@ -16,6 +16,8 @@
 import importlib
 import sys
 
+from services.common.user_errors import run_command
+
 # subcommand -> (module, function taking argv, one-line help)
 COMMANDS = {
     "quickstart": ("services.quickstart", "main", "build the tiny model and data, then run the embedded default end to end"),
@@ -42,7 +44,12 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """The console script; a user error of any command is its message without a traceback
+    (services/common/user_errors.py; RLMESH_DEBUG=1 or --debug adds the traceback)."""
+    return run_command(dispatch, argv)
+
+
+def dispatch(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0
@@ -54,14 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         service, options = rest[0], rest[1:]
         if any(a == "--run_config" or a.startswith("--run_config=") for a in options):
             # Settings from the run's one YAML file (services/coordinator/cli/run_config.py).
-            from services.common.config import ConfigError
             from services.coordinator.cli.run_config import expand_run_config
 
-            try:
-                options = expand_run_config(service, options)
-            except ConfigError as exc:
-                print(f"config error: {exc}", file=sys.stderr)
-                return 2
+            options = expand_run_config(service, options)
         module = importlib.import_module(f"services.{service}.__main__")
         return module.main(options) or 0
     if command not in COMMANDS:

@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.security import ClientCredentials, client_credentials
 from services.common.server import channel_options
+from services.common.user_errors import ServiceUnreachable
 
 
 def service_config(service_full_name: str, idempotent_methods, max_attempts: int = 5,
@@ -210,7 +211,8 @@ def make_sync_channel(address: str, service_full_name: str = "", idempotent_meth
 
 
 async def wait_for_serving(address: str, timeout_s: float, service: str = "", **channel_kwargs) -> None:
-    """Polls grpc.health.v1 until `service` ("" = the whole server) is SERVING; TimeoutError otherwise."""
+    """Polls grpc.health.v1 until `service` ("" = the whole server) is SERVING; ServiceUnreachable (a
+    TimeoutError) otherwise."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
     async with make_channel(address, default_timeout_s=5.0, **channel_kwargs) as channel:
@@ -224,7 +226,8 @@ async def wait_for_serving(address: str, timeout_s: float, service: str = "", **
             except grpc.aio.AioRpcError as exc:
                 last = f"{exc.code().name}: {exc.details()}"
             await asyncio.sleep(0.2)
-    raise TimeoutError(f"{address} did not report SERVING within {timeout_s:.0f} s (last: {last})")
+    raise ServiceUnreachable(f"{address} did not report SERVING within {timeout_s:.0f} s (last: {last}); "
+                             "check that the service runs there and that the address is right")
 
 
 def wait_for_serving_sync(address: str, timeout_s: float, service: str = "", **channel_kwargs) -> None:
@@ -242,4 +245,5 @@ def wait_for_serving_sync(address: str, timeout_s: float, service: str = "", **c
             except grpc.RpcError as exc:
                 last = f"{exc.code().name}: {exc.details()}"
             time.sleep(0.2)
-    raise TimeoutError(f"{address} did not report SERVING within {timeout_s:.0f} s (last: {last})")
+    raise ServiceUnreachable(f"{address} did not report SERVING within {timeout_s:.0f} s (last: {last}); "
+                             "check that the service runs there and that the address is right")

@@ -27,6 +27,7 @@ from services.common.log import get_logger, log_event
 from services.common.metrics import start_metrics_server
 from services.common.ready_file import write_ready_file
 from services.common.security import TokenAuthInterceptor, check_exposure, read_token_file, resolve_token
+from services.common.user_errors import USER_ERROR_EXIT_CODE, USER_ERRORS, report
 
 MiB = 1024 * 1024
 
@@ -153,9 +154,9 @@ class ServiceRunner:
             else:
                 self.port = self.server.add_insecure_port(address)
         except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
-            raise RuntimeError(f"could not bind {address} ({exc}); is the port in use? Choose another --port") from None
+            raise ConfigError(f"could not bind {address} ({exc}); is the port in use? Choose another --port") from None
         if self.port == 0:
-            raise RuntimeError(f"could not bind {address}; is the port in use? Choose another --port")
+            raise ConfigError(f"could not bind {address}; is the port in use? Choose another --port")
         await self.server.start()
         if cfg.metrics_port >= 0:
             self.metrics_port = start_metrics_server(self.name, cfg.metrics_port, cfg.host)
@@ -212,8 +213,9 @@ def run_service(name: str, config: ServerConfig, build: Callable[[ServiceRunner]
         exit_code = asyncio.run(main())
     except KeyboardInterrupt:
         sys.exit(130)
-    except ConfigError as exc:  # e.g. an unauthenticated non-loopback address: the message, no traceback
-        sys.exit(f"config error: {exc}")
+    except tuple(USER_ERRORS) as exc:  # a port in use, an unauthenticated non-loopback address, ...
+        report(exc)  # the message, without a traceback unless RLMESH_DEBUG=1
+        sys.exit(USER_ERROR_EXIT_CODE)
     if exit_code:
         # A service that gives up (e.g. its engine died) leaves at once, so that its supervisor can
         # restart it: its server and engine are stopped already, and the interpreter's teardown is

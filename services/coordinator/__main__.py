@@ -6,7 +6,8 @@ Resume, Stop) while the run lasts. See `services.coordinator.cli.train` for the 
 
 import sys
 
+from services.common.user_errors import run_command
 from services.coordinator.cli.train import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -4,7 +4,8 @@ services/coordinator/cli/verl_cli.py for what each key becomes."""
 
 import sys
 
+from services.common.user_errors import run_command
 from services.coordinator.cli.verl_cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -7,7 +7,8 @@ the services on the cluster; elsewhere it starts them on this machine.
 
 import sys
 
+from services.common.user_errors import run_command
 from services.coordinator.cli.train import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -16,6 +16,7 @@ import sys
 from services.common.config import ConfigError, parse_config
 from services.common.log import get_logger, log_event
 from services.common.server import run_service
+from services.common.user_errors import run_command
 from services.learner.config import LearnerConfig
 from services.learner.learner_rank import LearnerRank
 from services.learner.server import LearnerServicer, add_to_runner
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    status = main()
+    status = run_command(main)
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: a rank thread may still sit in a collective after a failure, and

@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 
 from services.common.config import ConfigError, opt
-from services.common.datasets import DatasetError
 from services.common.log import get_logger, log_event
 from services.common.logprobs import token_logprobs
 from services.common.paths import resolve_path_fields
@@ -386,23 +385,18 @@ class OfflineTrainer:
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         self.tokenizer = tokenizer
-        try:
-            train_rows = self.load_rows(tokenizer, config.dataset, config.dataset_probs)
-            # Every rank evaluates an equal share: a ZeRO-3 forward is a collective.
-            eval_rows = self.load_rows(tokenizer, config.eval_dataset, "") if config.eval_dataset else []
-        except DatasetError as exc:
-            raise SystemExit(f"data error: {exc}") from exc
+        # A DatasetError reaches the command's run_command: its message, without a traceback.
+        train_rows = self.load_rows(tokenizer, config.dataset, config.dataset_probs)
+        # Every rank evaluates an equal share: a ZeRO-3 forward is a collective.
+        eval_rows = self.load_rows(tokenizer, config.eval_dataset, "") if config.eval_dataset else []
         eval_rows = eval_rows[rank: len(eval_rows) - len(eval_rows) % world: world]
         self.train_rows, self.eval_rows, self.rank, self.world = train_rows, eval_rows, rank, world
         steps_per_epoch = len(train_rows) // config.train_batch_size
         if steps_per_epoch == 0:
-            raise SystemExit(f"config error: {len(train_rows)} training rows are fewer than --train_batch_size "
-                             f"{config.train_batch_size}; lower --train_batch_size or add data")
+            raise ConfigError(f"{len(train_rows)} training rows are fewer than --train_batch_size "
+                              f"{config.train_batch_size}; lower --train_batch_size or add data")
         config.max_steps = steps_per_epoch * config.max_epochs
-        try:
-            ds_config = deepspeed_config(config, world)
-        except ConfigError as exc:
-            raise SystemExit(f"config error: {exc}") from exc
+        ds_config = deepspeed_config(config, world)
         model, keepalive = self.load_model(ds_config)
         engine = build_engine(model, config, ds_config, config.learning_rate)
         del keepalive

@@ -18,6 +18,7 @@ import torch
 from services.common.config import ConfigError, opt, parse_config
 from services.common.datasets import load_preferences
 from services.common.paths import resolve_path_fields
+from services.common.user_errors import run_command
 from services.learner.deepspeed_setup import load_pretrained
 from services.learner.offline import (
     OfflineConfig,
@@ -119,4 +120,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -22,6 +22,7 @@ import torch
 
 from services.common.config import ConfigError, opt, parse_config
 from services.common.datasets import load_preferences
+from services.common.user_errors import run_command
 from services.learner.deepspeed_setup import load_pretrained
 from services.learner.logprob_head import forward_micro_batch
 from services.learner.offline import (
@@ -124,4 +125,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

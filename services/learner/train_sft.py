@@ -15,6 +15,7 @@ import sys
 
 from services.common.config import opt, parse_config
 from services.common.datasets import load_sft
+from services.common.user_errors import run_command
 from services.learner.deepspeed_setup import load_pretrained
 from services.learner.offline import (
     OfflineConfig,
@@ -77,4 +78,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -8,25 +8,24 @@
 
 import sys
 
-from services.common.config import ConfigError, parse_config
+from services.common.config import parse_config
 from services.common.server import run_service
+from services.common.user_errors import run_command
 from services.reward.config import RewardConfig
 from services.reward.server import add_reference_service, add_reward_service, make_reward_source
 
 
 def main(argv=None) -> None:
     config = parse_config(RewardConfig, argv, description=__doc__)
-    try:
-        # Models load before serving starts, so health reports SERVING only once they are usable.
-        source = make_reward_source(config)
-        reference = None
-        if config.ref_pretrain:
-            from services.reward.reference import ReferenceModel  # transformers: only when a model is served
+    # Models load before serving starts, so health reports SERVING only once they are usable. A
+    # ConfigError (a reward file that does not import, ...) reaches run_command: no traceback.
+    source = make_reward_source(config)
+    reference = None
+    if config.ref_pretrain:
+        from services.reward.reference import ReferenceModel  # transformers: only when a model is served
 
-            reference = ReferenceModel(config.ref_pretrain, config.device, config.ref_dtype,
-                                       config.ref_micro_batch_size, config.attn_implementation)
-    except ConfigError as exc:
-        sys.exit(f"config error: {exc}")
+        reference = ReferenceModel(config.ref_pretrain, config.device, config.ref_dtype,
+                                   config.ref_micro_batch_size, config.attn_implementation)
 
     async def build(runner) -> None:
         if source is not None:
@@ -38,4 +37,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(main))

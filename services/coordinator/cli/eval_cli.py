@@ -29,6 +29,7 @@ from rlmesh.rollout.v1 import rollout_pb2
 from services.common.config import ConfigError, opt, parse_config
 from services.common.datasets import DatasetError
 from services.common.paths import absolute_paths, resolve_path_fields
+from services.common.user_errors import run_command
 from services.coordinator.config import CoordinatorConfig
 from services.coordinator.fleet.launcher import spawn_service, stop_all, wait_until_ready
 from services.coordinator.fleet.placement import reward_argv, rollout_argv
@@ -178,11 +179,7 @@ async def run_eval(config: EvalConfig) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(EvalConfig, argv, description=EvalConfig.__doc__)
-    try:
-        metrics = asyncio.run(run_eval(config))
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+    metrics = asyncio.run(run_eval(config))  # a user error: run_command prints its message (exit 2)
     text = json.dumps(metrics, indent=1, sort_keys=True)
     print(text)
     if config.output:
@@ -191,4 +188,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -32,6 +32,7 @@ from services.common.config import ConfigError, parse_config
 from services.common.datasets import DatasetError
 from services.common.log import get_logger, log_event
 from services.common.server import ServiceRunner
+from services.common.user_errors import is_user_error, report, run_command
 from services.coordinator.config import CoordinatorConfig
 from services.coordinator.fleet.control import add_to_runner
 from services.coordinator.loop.run_state import RunControl
@@ -171,7 +172,10 @@ async def run(config: CoordinatorConfig) -> int:
     except Exception as exc:  # noqa: BLE001 - reported, services stopped, non-zero exit
         control.finish(f"{type(exc).__name__}: {exc}")
         log_event(_log, "run.failed", level=40, error=f"{type(exc).__name__}: {exc}")
-        _log.exception("the run failed")
+        if is_user_error(exc):  # e.g. a static address where no service answers: what to change
+            report(exc)
+        else:
+            _log.exception("the run failed")
         code = 1
     finally:
         if control.scaler is not None:
@@ -196,15 +200,15 @@ async def run(config: CoordinatorConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs one training run; a user error raised before the run starts (a bad value, a data file
+    without usable rows) propagates to run_command, which prints it without a traceback (exit 2).
+    A run that started and failed exits 1 (a user error's message again without a traceback)."""
     config = parse(argv)
     try:
         return asyncio.run(run(config))
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.client import make_channel, verify_tls_as, wait_for_serving
 from services.common.log import get_logger, log_event
 from services.common.security import client_credentials, launch_settings
+from services.common.user_errors import ServiceUnreachable
 from services.coordinator.config import CoordinatorConfig
 from services.coordinator.loop.run_state import Endpoints
 from services.coordinator.fleet.launcher import ServiceProcess, log_tail, spawn_service, stop_all, wait_until_ready
@@ -421,8 +422,12 @@ class StaticPlacement:
 
     async def start(self) -> Endpoints:
         cfg = self.cfg
+        flags = {cfg.learner_address: "--learner_address"}  # address -> the flag that gave it
+        for flag, given in (("--ref_addresses", cfg.ref_addresses), ("--reward_addresses", cfg.reward_addresses),
+                            ("--rollout_addresses", cfg.rollout_addresses)):
+            flags.update({a: flag for a in given})
         addresses = [*cfg.rollout_addresses, *cfg.reward_addresses, *cfg.ref_addresses, cfg.learner_address]
-        await asyncio.gather(*(wait_for_serving(a, cfg.service_start_timeout_s) for a in dict.fromkeys(addresses)))
+        await self._wait_given([(flags[a], a) for a in dict.fromkeys(addresses)])
         # A name may stand for several instances (compose --scale, a Kubernetes headless Service).
         cfg.rollout_addresses = await asyncio.to_thread(instance_addresses, cfg.rollout_addresses)
         cfg.reward_addresses = await asyncio.to_thread(instance_addresses, cfg.reward_addresses)
@@ -443,6 +448,18 @@ class StaticPlacement:
         self.reference = reference
         log_event(_log, "static.ready", rollout=",".join(cfg.rollout_addresses), learner=cfg.learner_address)
         return Endpoints(list(cfg.rollout_addresses), list(cfg.reward_addresses), reference, cfg.learner_address)
+
+    async def _wait_given(self, given: list[tuple[str, str]]) -> None:
+        """Waits for the services at the (flag, address) pairs the user gave; one error names every
+        address where none answered, with its flag."""
+        answers = await asyncio.gather(*(wait_for_serving(a, self.cfg.service_start_timeout_s) for _, a in given),
+                                       return_exceptions=True)
+        for answer in answers:
+            if isinstance(answer, BaseException) and not isinstance(answer, ServiceUnreachable):
+                raise answer
+        missing = [f"{flag}: {answer}" for (flag, _), answer in zip(given, answers) if answer is not None]
+        if missing:
+            raise ServiceUnreachable("; ".join(missing) + " (the wait is --service_start_timeout_s)")
 
     async def weight_sync_master(self, endpoints: Endpoints) -> tuple[str, int] | None:
         if self.cfg.weight_sync_master:
