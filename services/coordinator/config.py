@@ -648,3 +648,11 @@ class CoordinatorConfig(ServerConfig):
             warnings.warn(f"--vllm_gpu_memory_utilization {self.vllm_gpu_memory_utilization}: on CPU vLLM reserves "
                           "this fraction of host memory; using 0.1", GpuOnlyFlagWarning, stacklevel=2)
             self.vllm_gpu_memory_utilization = 0.1
+
+
+REDACTED = ("auth_token",)  # config fields never written to the run folder or logged
+
+
+def public_config(config) -> dict:
+    """The config as written to {run_dir}/config.json and the metrics loggers: without secrets."""
+    return {k: v for k, v in vars(config).items() if k not in REDACTED}

@@ -42,7 +42,8 @@ from services.coordinator.fleet.final_scrape import ScrapeWatch
 from services.coordinator.loop.metrics import MetricsLog
 from services.coordinator.fleet.placement import LocalPlacement, StaticPlacement
 from services.coordinator.loop.queries import QueryDecoder
-from services.coordinator.fleet.security import public_config, secure_run
+from services.coordinator.config import public_config
+from services.coordinator.fleet.security import secure_run
 from services.coordinator.cli.run_config import total_steps_of
 from services.coordinator.fleet.recovery import Recovery
 from services.coordinator.fleet.scaling import Scaler

@@ -21,7 +21,6 @@ from services.common.security import (ClientCredentials, launch_settings, new_to
 
 _log = get_logger("coordinator")
 TOKEN_FILE = "auth_token"
-REDACTED = ("auth_token",)  # config fields never written to the run folder
 
 
 def secure_run(config, run_dir: pathlib.Path) -> str:
@@ -40,8 +39,3 @@ def secure_run(config, run_dir: pathlib.Path) -> str:
         launch_settings(config, credentials)  # the services this run starts must be reachable with these
     set_client_credentials(credentials)
     return token
-
-
-def public_config(config) -> dict:
-    """The config as written to {run_dir}/config.json: without secrets."""
-    return {k: v for k, v in vars(config).items() if k not in REDACTED}

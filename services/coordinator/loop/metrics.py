@@ -18,7 +18,7 @@ import time
 import prometheus_client
 
 from services.common.log import get_logger, log_event
-from services.coordinator.fleet.security import public_config
+from services.coordinator.config import public_config
 
 _log = get_logger("coordinator")
 
