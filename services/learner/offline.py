@@ -97,6 +97,10 @@ class OfflineConfig(DeepSpeedOptions):
     load_checkpoint: bool = opt(False, "resume from the newest complete checkpoint under --ckpt_path (its step, data "
                                 "position, optimizer and schedule); none there: start anew")
     max_ckpt_num: int = opt(3, "checkpoints kept under --ckpt_path (the oldest are removed)")
+    use_ds_universal_ckpt: bool = opt(False, "--load_checkpoint of a checkpoint saved under another --zero_stage "
+                                      "(1-3) or number of ranks: convert it to DeepSpeed's universal checkpoint "
+                                      "(once, into its global_step_N/universal/) and load that; without it such a "
+                                      "checkpoint is refused")
     eval_steps: int = opt(-1, "evaluate every N optimizer steps (also before training and at the end); "
                           "-1 = only before and after training")
     logging_steps: int = opt(1, "log training metrics every N optimizer steps")
@@ -407,7 +411,8 @@ class OfflineTrainer:
                   grad_accumulation=config.gradient_accumulation_steps(world))
 
         ckpt_root = Path(config.ckpt_path)
-        resumed = offline_checkpoint.load_latest(engine, ckpt_root, world, config.zero_stage) \
+        resumed = offline_checkpoint.load_latest(engine, ckpt_root, world, config.zero_stage,
+                                                 universal_ok=config.use_ds_universal_ckpt) \
             if config.load_checkpoint else 0
         out_dir = Path(config.save_path)
         metrics_file = None

@@ -19,7 +19,7 @@ import torch
 
 from services.common.durable import write_atomic
 from services.common.log import get_logger, log_event
-from services.learner import checkpoint
+from services.learner import checkpoint, universal
 
 _log = get_logger("offline")
 TAG = "model"
@@ -50,18 +50,28 @@ def save(engine, root: pathlib.Path, step: int, rank: int, world: int, zero_stag
     return folder
 
 
-def load_latest(engine, root: pathlib.Path, world: int, zero_stage: int) -> int:
-    """Restores the newest complete checkpoint under root into engine; returns its step (0: none)."""
+def load_latest(engine, root: pathlib.Path, world: int, zero_stage: int, universal_ok: bool = False) -> int:
+    """Restores the newest complete checkpoint under root into engine; returns its step (0: none).
+    universal_ok (--use_ds_universal_ckpt): one saved under another layout is converted first
+    (services/learner/universal.py; rank 0 converts, the others wait at a barrier)."""
     try:
         folder = checkpoint.resolve_checkpoint(root, 0)
     except FileNotFoundError:
         log_event(_log, "checkpoint.none", path=str(root), note="--load_checkpoint: nothing to resume, starting anew")
         return 0
     try:
-        checkpoint.check_compatible(folder, world, zero_stage, [TAG])
+        marker = checkpoint.check_compatible(folder, world, zero_stage, [TAG], universal=universal_ok)
     except ValueError as exc:
         raise SystemExit(f"config error: --load_checkpoint: {exc}") from None
-    _, state = engine.load_checkpoint(str(folder), tag=TAG)
+    if checkpoint.layout_differs(marker, world, zero_stage):
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            converted = universal.prepare(folder, [TAG])
+            log_event(_log, "checkpoint.universal", path=str(converted), saved_ranks=marker["world_size"],
+                      saved_zero_stage=marker["zero_stage"])
+        _barrier()
+        state = universal.load(engine, folder / universal.FOLDER, TAG)
+    else:
+        _, state = engine.load_checkpoint(str(folder), tag=TAG)
     if state is None:
         raise SystemExit(f"config error: --load_checkpoint: {folder} could not be loaded (see the log)")
     torch.set_rng_state(state["torch_rng"])

@@ -123,15 +123,16 @@ def normalize(folder: pathlib.Path) -> None:
         torch.save(engine_state, folder / name)
 
 
-def load(engine, folder: pathlib.Path, tag: str) -> None:
-    """Loads folder/tag (written by prepare) into engine: weights, optimizer, LR schedule, step."""
+def load(engine, folder: pathlib.Path, tag: str) -> dict:
+    """Loads folder/tag (written by prepare) into engine: weights, optimizer, LR schedule, step;
+    returns the client state saved with it."""
     groups = torch.load(folder / tag / "zero" / "optimizer_state.pt", weights_only=False)["param_groups"]
     if len(groups) != len(engine.optimizer.param_groups):
         raise ValueError(f"{folder / tag} has {len(groups)} optimizer parameter groups, this learner's {tag} has "
                          f"{len(engine.optimizer.param_groups)}: it was saved by another version of the learner; "
                          "resume it under the layout it was saved with")
     with _universal_loading(engine):
-        load_path, _ = engine.load_checkpoint(str(folder), tag=tag, load_module_strict=True)
+        load_path, client_state = engine.load_checkpoint(str(folder), tag=tag, load_module_strict=True)
     if load_path is None:
         raise FileNotFoundError(f"{folder / tag}: DeepSpeed found no universal checkpoint to load")
     # DeepSpeed's ZeRO-3 loader gives every parameter group one shared `step` tensor, which Adam
@@ -139,6 +140,7 @@ def load(engine, folder: pathlib.Path, tag: str) -> None:
     for state in engine.optimizer.optimizer.state.values():
         if torch.is_tensor(state.get("step")):
             state["step"] = state["step"].clone()
+    return client_state
 
 
 @contextlib.contextmanager

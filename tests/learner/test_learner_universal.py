@@ -90,7 +90,8 @@ def zero2(tmp_path_factory, tiny_model_dir, tiny_reward_model_dir):
 
 @pytest.fixture(scope="module")
 def zero3(tmp_path_factory, tiny_model_dir, tiny_reward_model_dir, zero2):
-    """1 rank, ZeRO-3: resumes the 2-rank checkpoint, redoes its two steps, saves at step 4, one more step."""
+    """1 rank, ZeRO-3: resumes the 2-rank checkpoint, redoes its two steps, saves at step 4, two more steps
+    (the second is where a lost optimizer state would show)."""
     tmp = tmp_path_factory.mktemp("universal_z3")
     proc = start_learner(tmp, *learner_args(tiny_model_dir, tiny_reward_model_dir, ranks=1, zero_stage=3))
     stub = proc.stub
@@ -101,7 +102,8 @@ def zero3(tmp_path_factory, tiny_model_dir, tiny_reward_model_dir, zero2):
     ckpt = tmp / "ckpt"
     stub.SaveCheckpoint(pb.SaveCheckpointRequest(ckpt_path=str(ckpt), global_step=4, client_state=b"step 4"),
                         timeout=300)
-    after = [make_batches(stub, stub.GetInfo(pb.GetInfoRequest(), timeout=10).vocab_size, seed=5)]
+    vocab = stub.GetInfo(pb.GetInfoRequest(), timeout=10).vocab_size
+    after = [make_batches(stub, vocab, seed=s) for s in (5, 6)]
     yield {"proc": proc, "loaded": loaded, "resumed": resumed, "ckpt": ckpt, "after": after,
            "continued": train_steps(stub, after, first_seed=20)}
     proc.stop()
