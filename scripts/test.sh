@@ -11,4 +11,12 @@ for arg in "$@"; do
     tests/*|./tests/*) targets=(); break ;;
   esac
 done
-exec .venv/bin/python -m pytest "${targets[@]}" -q -rs --durations=25 "$@"
+# The tests run in a shuffled order (pytest-randomly). -q hides the plugin's header, so the seed is
+# drawn and printed here: `scripts/test.sh ... -p randomly --randomly-seed=N` replays an order.
+order=()
+case " $* " in
+  *" --randomly-seed"*|*"no:randomly"*) ;;
+  *) seed=$(( (RANDOM << 15) | RANDOM )); order=(-p randomly "--randomly-seed=$seed")
+     echo "Using --randomly-seed=$seed" ;;
+esac
+exec .venv/bin/python -m pytest "${targets[@]}" -q -rs --durations=25 ${order[@]+"${order[@]}"} "$@"
