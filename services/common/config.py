@@ -15,9 +15,7 @@ import typing
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A configuration problem; the message says what to change."""
+from services.common.config_error import ConfigError, debug_enabled  # noqa: F401 - ConfigError is this module's API too
 
 
 def opt(default, help: str, choices=None, derived: bool = False, check=None):
@@ -127,8 +125,6 @@ def parse_config(cls, argv=None, description: str = ""):
     try:
         return config_from_args(cls, args)
     except ConfigError as exc:
-        from services.common.user_errors import debug_enabled  # that module imports this one
-
         if debug_enabled():
             raise  # the command's run_command prints it with its traceback
         parser.exit(2, f"config error: {exc}\n")

@@ -21,7 +21,7 @@ import dataclasses
 import warnings
 from collections.abc import Callable
 
-from services.common.config import ConfigError
+from services.common.config_error import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,11 +19,10 @@ import sys
 import traceback
 from typing import Callable, Sequence
 
-from services.common.config import ConfigError
+from services.common.config_error import DEBUG_ENV, ConfigError, debug_enabled
 from services.common.datasets import DatasetError
 from services.common.ready_file import ServiceStartError
 
-DEBUG_ENV = "RLMESH_DEBUG"
 DEBUG_FLAG = "--debug"
 USER_ERROR_EXIT_CODE = 2
 
@@ -45,10 +44,6 @@ USER_ERRORS: dict[type[BaseException], str] = {
     UserError: "error",
 }
 
-
-def debug_enabled() -> bool:
-    """Whether user errors keep their traceback: RLMESH_DEBUG set to anything but "" or "0"."""
-    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
 def take_debug_flag(argv: Sequence[str]) -> list[str]:
