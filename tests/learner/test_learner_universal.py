@@ -16,6 +16,7 @@ import torch
 
 from rlmesh.learner.v1 import learner_pb2 as pb
 from services.common.tensors import ragged_from_proto, ragged_to_proto, to_proto
+from services.learner import checkpoint
 from tests.learner.learner_helpers import (
     experience,
     logprobs,
@@ -148,3 +149,25 @@ def test_another_layout_without_the_flag_is_refused_naming_it(zero2, tmp_path, t
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "ZeRO stage 2 on 2 ranks" in info.value.details()
     assert "--use_ds_universal_ckpt" in info.value.details()
+
+
+def test_which_layouts_convert(tmp_path):
+    """The check before any rank loads: another stage or rank count needs the flag; ZeRO stage 0 has
+    no partitions to convert, and loads under stage 0 on any number of ranks without it."""
+    def saved(world_size: int, zero_stage: int):
+        folder = tmp_path / f"global_step_{world_size}{zero_stage}"
+        folder.mkdir()
+        (folder / checkpoint.MARKER).write_bytes(checkpoint.marker_contents(world_size, zero_stage, ["actor"], 1))
+        return folder
+
+    z2 = saved(world_size=2, zero_stage=2)
+    assert checkpoint.check_compatible(z2, 1, 3, ["actor"], universal=True)["zero_stage"] == 2
+    assert checkpoint.check_compatible(z2, 2, 2, ["actor"])["world_size"] == 2
+    with pytest.raises(ValueError, match="--use_ds_universal_ckpt to convert"):
+        checkpoint.check_compatible(z2, 1, 2, ["actor"])
+    with pytest.raises(ValueError, match="stages 1, 2 and 3 only"):
+        checkpoint.check_compatible(z2, 2, 0, ["actor"], universal=True)
+    z0 = saved(world_size=2, zero_stage=0)
+    assert checkpoint.check_compatible(z0, 1, 0, ["actor"])["world_size"] == 2
+    with pytest.raises(ValueError, match="start it with --zero_stage 0"):
+        checkpoint.check_compatible(z0, 1, 2, ["actor"], universal=True)
