@@ -1,8 +1,9 @@
 """The learner service with two CPU ranks (gloo), ZeRO-2, an actor and a critic, over gRPC; with
 gradient checkpointing, log-probs from the hidden states (--logprobs_head fused) and a cosine LR schedule.
 
-One service process (rank 0 starting rank 1) serves every test of this module; the tests run in
-file order and build on each other's state only where they say so.
+One service process (rank 0 starting rank 1) serves every test of this module (its start is most
+of the module's time). The tests pass alone and in any order: each trains, pushes or counts what it
+asserts on, and compares against the learner's weights, steps and counters as they are when it starts.
 """
 
 import time
@@ -39,15 +40,21 @@ MICRO_FORWARD = 3
 
 
 @pytest.fixture(scope="module")
-def learner(tmp_path_factory, tiny_model_dir, tiny_reward_model_dir):
+def started(tmp_path_factory, tiny_model_dir, tiny_reward_model_dir):
+    """The module's learner and its GetInfo as it started, before any test trained or pushed."""
     proc = start_learner(
         tmp_path_factory.mktemp("learner_z2"), "--pretrain", str(tiny_model_dir), "--critic_pretrain",
         str(tiny_reward_model_dir), "--num_gpus", "2", "--zero_stage", "2", "--train_batch_size", str(TRAIN_BATCH),
         "--micro_train_batch_size", "1", "--micro_forward_batch_size", str(MICRO_FORWARD), "--actor_learning_rate",
         str(LR), "--critic_learning_rate", str(LR), "--gradient_checkpointing", "--lr_scheduler", "cosine_with_min_lr",
         "--max_steps", "1000", "--lr_warmup_ratio", "0.004", "--metrics_port", "0", "--logprobs_head", "fused")
-    yield proc
+    yield proc, proc.stub.GetInfo(pb.GetInfoRequest(), timeout=10)
     proc.stop()
+
+
+@pytest.fixture(scope="module")
+def learner(started):
+    return started[0]
 
 
 @pytest.fixture(scope="module")
@@ -55,31 +62,49 @@ def plain_model(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
-def test_get_info(learner, tiny_model_dir, plain_model):
+def metrics(learner) -> dict[str, float]:
+    """The learner's Prometheus series, "name{labels}" -> value."""
+    url = f"http://127.0.0.1:{learner.info['metrics_port']}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    series = (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return {name: float(value) for name, value in series}
+
+
+def current_model(learner, folder) -> AutoModelForCausalLM:
+    """The learner's actor as it is now (other tests train it), exported into folder."""
+    export_weights(learner.stub, folder)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def test_get_info(started, plain_model):
+    learner, at_start = started
     info = learner.stub.GetInfo(pb.GetInfoRequest(), timeout=10)
     assert (info.world_size, info.zero_stage, info.dtype, info.dist_backend) == (2, 2, "float32", "gloo")
     assert info.actor_num_parameters == sum(p.numel() for p in plain_model.parameters())
     assert info.critic_num_parameters > 0 and info.critic_pretrain
     assert info.vocab_size == plain_model.config.vocab_size
-    assert info.actor_global_step == 0 and info.weight_version == 0
+    # A fresh learner has trained nothing and pushed nothing.
+    assert (at_start.actor_global_step, at_start.critic_global_step, at_start.weight_version) == (0, 0, 0)
+    assert at_start.actor_num_parameters == info.actor_num_parameters and not at_start.offloaded
 
 
-def test_logprobs_equal_a_plain_transformers_forward(learner, plain_model, tiny_model_dir):
+def test_logprobs_equal_a_plain_transformers_forward(learner, plain_model, tmp_path):
+    current = current_model(learner, tmp_path / "export")
     seqs, starts = random_sequences(7, plain_model.config.vocab_size, seed=1)
     for temperature in (0.0, 0.7):
         got = logprobs(learner.stub, seqs, starts, temperature)
-        want = reference_logprobs(plain_model, seqs, starts, world=2, micro=MICRO_FORWARD,
+        want = reference_logprobs(current, seqs, starts, world=2, micro=MICRO_FORWARD,
                                   temperature=temperature or 1.0)
         assert [g.numel() for g in got] == response_lengths(seqs, starts)
         for g, w in zip(got, want):
             assert torch.equal(g, w)  # same micro-batches, same weights: bit for bit
     # The reference role batches the same way: the two services agree bit for bit.
-    reference = ReferenceModel(str(tiny_model_dir), device="cpu", dtype="fp32", micro_batch_size=MICRO_FORWARD)
+    reference = ReferenceModel(str(tmp_path / "export"), device="cpu", dtype="fp32", micro_batch_size=MICRO_FORWARD)
     assert all(torch.equal(g, r) for g, r in zip(got, reference.response_logprobs(seqs, starts.tolist(), 0.7)))
     # And against one unpadded forward per sample (padding may move the last bits only).
     with torch.no_grad():
         for g, s, st in zip(got, seqs, starts):
-            alone = torch.log_softmax(plain_model(s[None]).logits[0, :-1].float() / 0.7, -1)
+            alone = torch.log_softmax(current(s[None]).logits[0, :-1].float() / 0.7, -1)
             torch.testing.assert_close(g, alone.gather(-1, s[1:, None])[:, 0][st - 1:], atol=1e-5, rtol=0)
 
 
@@ -91,6 +116,7 @@ def _status(call, *args) -> grpc.RpcError:
 
 def test_bad_input_is_rejected_naming_field_and_sample(learner, plain_model):
     stub, vocab = learner.stub, plain_model.config.vocab_size
+    step = stub.GetInfo(pb.GetInfoRequest(), timeout=10).actor_global_step
     seqs, starts = random_sequences(TRAIN_BATCH, vocab, seed=2)
     old = logprobs(stub, seqs, starts)
     adv = signed_advantages(seqs, starts)
@@ -126,7 +152,7 @@ def test_bad_input_is_rejected_naming_field_and_sample(learner, plain_model):
     for error, needle in cases:
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
         assert needle in error.details() and "fix:" in error.details(), error.details()
-    assert stub.GetInfo(pb.GetInfoRequest(), timeout=10).actor_global_step == 0  # nothing trained, still serving
+    assert stub.GetInfo(pb.GetInfoRequest(), timeout=10).actor_global_step == step  # nothing trained, still serving
 
 
 def test_non_finite_loss_skips_the_step_and_keeps_the_weights(learner, plain_model):
@@ -139,10 +165,19 @@ def test_non_finite_loss_skips_the_step_and_keeps_the_weights(learner, plain_mod
     assert (r.skipped_steps, r.optimizer_steps) == (1, 0)
     after = logprobs(learner.stub, seqs, starts)
     assert all(torch.equal(a, b) for a, b in zip(before, after))
+    # Nor did the skipped step move the LR schedule: the next kept step applies the same rate.
+    kept = learner.stub.TrainActor(pb.TrainActorRequest(batch=experience(
+        seqs, starts, old_logprobs=before, advantages=signed_advantages(seqs, starts))), timeout=120)
+    assert (kept.skipped_steps, kept.optimizer_steps) == (0, 1)
+    assert kept.learning_rate == r.learning_rate
 
 
 def test_training_lowers_the_loss_and_moves_every_parameter(learner, plain_model, tiny_model_dir, tmp_path):
     stub = learner.stub
+    # The LR schedule moves on kept optimizer steps only: its position is the steps taken less those skipped.
+    skipped = metrics(learner).get('rlmesh_learner_skipped_steps_total{model="actor"}', 0.0)
+    position = stub.GetInfo(pb.GetInfoRequest(), timeout=10).actor_global_step - int(skipped)
+    before = export_weights(stub, tmp_path / "before")
     seqs, starts = random_sequences(2 * TRAIN_BATCH, plain_model.config.vocab_size, seed=4)
     old = logprobs(stub, seqs, starts)
     batch = experience(seqs, starts, old_logprobs=old, advantages=signed_advantages(seqs, starts))
@@ -155,15 +190,16 @@ def test_training_lowers_the_loss_and_moves_every_parameter(learner, plain_model
         losses.append(r.policy_loss)
         lrs.append(r.learning_rate)
     assert losses[-1] < losses[0] - 0.1, losses
-    # Cosine schedule with 4 warm-up steps (0.004 x 1000); this is the fourth call (steps 6 and 7),
-    # and the skipped step of the previous test did not advance it.
+    # Cosine schedule with 4 warm-up steps (0.004 x 1000); each call reports the rate of its second
+    # step: the first call's is position + 1, the fourth call's position + 7.
     warmup = 4
-    assert lrs[0] == pytest.approx(LR * lr_multiplier(1, warmup, 1000, "cosine_with_min_lr", 0.1), rel=1e-6)
-    assert lrs[-1] == pytest.approx(LR * lr_multiplier(7, warmup, 1000, "cosine_with_min_lr", 0.1), rel=1e-6)
+    assert lrs[0] == pytest.approx(LR * lr_multiplier(position + 1, warmup, 1000, "cosine_with_min_lr", 0.1), rel=1e-6)
+    assert lrs[-1] == pytest.approx(LR * lr_multiplier(position + 7, warmup, 1000, "cosine_with_min_lr", 0.1),
+                                    rel=1e-6)
     trained = export_weights(stub, tmp_path / "export")
     initial = load_file(str(tiny_model_dir / "model.safetensors"))
-    assert trained.keys() == initial.keys()
-    unmoved = [name for name in initial if torch.equal(initial[name], trained[name])]
+    assert trained.keys() == initial.keys() == before.keys()
+    unmoved = [name for name in before if torch.equal(before[name], trained[name])]
     assert not unmoved, f"parameters that did not move: {unmoved}"
     # The export is a working Hugging Face folder.
     AutoTokenizer.from_pretrained(tmp_path / "export")
@@ -173,6 +209,7 @@ def test_training_lowers_the_loss_and_moves_every_parameter(learner, plain_model
 
 def test_critic_training_lowers_the_value_loss(learner, plain_model):
     stub = learner.stub
+    step = stub.GetInfo(pb.GetInfoRequest(), timeout=10).critic_global_step
     seqs, starts = random_sequences(TRAIN_BATCH, plain_model.config.vocab_size, seed=5)
     request = pb.ValuesRequest(input_ids=ragged_to_proto(seqs), response_start=to_proto(starts))
     old_values = ragged_from_proto(stub.Values(request, timeout=60).values)
@@ -185,7 +222,7 @@ def test_critic_training_lowers_the_value_loss(learner, plain_model):
     new_values = ragged_from_proto(stub.Values(request, timeout=60).values)
     err = lambda vs: sum(float(((v - 0.75) ** 2).sum()) for v in vs)  # noqa: E731
     assert err(new_values) < err(old_values)
-    assert stub.GetInfo(pb.GetInfoRequest(), timeout=10).critic_global_step == 4
+    assert stub.GetInfo(pb.GetInfoRequest(), timeout=10).critic_global_step == step + 4
 
 
 def test_push_weights_arrive_bit_exact_over_gloo(learner, tmp_path):
@@ -210,12 +247,13 @@ def test_push_weights_arrive_bit_exact_over_gloo(learner, tmp_path):
 
 
 def test_a_push_to_a_vanished_engine_fails_and_the_learner_keeps_serving(learner, plain_model, tmp_path):
+    version = learner.stub.GetInfo(pb.GetInfoRequest(), timeout=10).weight_version
     listener = WeightListener(tmp_path)
     try:
         init_transfer(learner.stub, listener)
     finally:
         listener.close()  # the engine goes away after joining
-    start = pb.PushWeightsRequest(start=pb.PushWeightsStart(version=8, weights_dtype=common_pb2.DTYPE_FLOAT32))
+    start = pb.PushWeightsRequest(start=pb.PushWeightsStart(version=version + 1, weights_dtype=common_pb2.DTYPE_FLOAT32))
     with pytest.raises(grpc.RpcError) as info:
         for _ in learner.stub.PushWeights(iter([start]), timeout=120):
             pass
@@ -225,7 +263,7 @@ def test_a_push_to_a_vanished_engine_fails_and_the_learner_keeps_serving(learner
     assert again.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     seqs, starts = random_sequences(3, plain_model.config.vocab_size, seed=7)
     assert len(logprobs(learner.stub, seqs, starts)) == 3  # still serving, ranks in step
-    assert learner.stub.GetInfo(pb.GetInfoRequest(), timeout=10).weight_version == 7
+    assert learner.stub.GetInfo(pb.GetInfoRequest(), timeout=10).weight_version == version  # the failed push counts not
 
 
 def test_a_push_whose_caller_died_mid_chunk_frees_the_learner_at_once(learner, tmp_path):
@@ -266,17 +304,42 @@ def test_offload_blocks_model_calls_until_reload(learner, plain_model):
     assert len(logprobs(learner.stub, seqs, starts)) == 2
 
 
-def test_metrics_report_training(learner):
-    url = f"http://127.0.0.1:{learner.info['metrics_port']}/metrics"
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    for needle in ('rlmesh_learner_tokens_trained_total{model="actor"}',
-                   'rlmesh_learner_skipped_steps_total{model="actor"} 1.0',
-                   "rlmesh_learner_weight_push_bytes_total",
-                   'rlmesh_learner_train_phase_duration_seconds_count{model="critic",phase="backward"}',
-                   'rlmesh_learner_errors_total{code="INVALID_ARGUMENT",method="TrainActor"}',
-                   "rlmesh_learner_policy_loss", 'rlmesh_learner_learning_rate{model="actor"}',
-                   'rlmesh_learner_grad_norm{model="critic"}'):
-        assert needle in text, needle
+def test_metrics_report_training(learner, plain_model, tmp_path):
+    """A rejected call, a skipped and a kept actor step, a critic step and a push: each moves its series."""
+    stub = learner.stub
+    seqs, starts = random_sequences(TRAIN_BATCH, plain_model.config.vocab_size, seed=9)
+    old = logprobs(stub, seqs, starts)
+    lengths = response_lengths(seqs, starts)
+    before = metrics(learner)
+    error = _status(stub.TrainActor, pb.TrainActorRequest(batch=experience(seqs, starts, advantages=old)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT  # no old_logprobs
+    huge = [torch.full((n,), 3e38) for n in lengths]
+    for advantages in (huge, signed_advantages(seqs, starts)):
+        stub.TrainActor(pb.TrainActorRequest(batch=experience(seqs, starts, old_logprobs=old, advantages=advantages)),
+                        timeout=120)
+    old_values = ragged_from_proto(stub.Values(pb.ValuesRequest(input_ids=ragged_to_proto(seqs),
+                                                                response_start=to_proto(starts)), timeout=60).values)
+    stub.TrainCritic(pb.TrainCriticRequest(batch=experience(seqs, starts, returns=[torch.full((n,), 0.75) for n in lengths],
+                                                            old_values=old_values)), timeout=300)
+    listener = WeightListener(tmp_path)
+    try:
+        init_transfer(stub, listener)
+        done, *_ = push_weights(stub, listener, version=30)
+    finally:
+        listener.close()
+    after = metrics(learner)
+
+    def moved(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert moved('rlmesh_learner_errors_total{code="INVALID_ARGUMENT",method="TrainActor"}') == 1
+    assert moved('rlmesh_learner_skipped_steps_total{model="actor"}') == 1
+    assert moved('rlmesh_learner_tokens_trained_total{model="actor"}') >= sum(lengths)
+    assert moved('rlmesh_learner_train_phase_duration_seconds_count{model="critic",phase="backward"}') > 0
+    assert moved("rlmesh_learner_weight_push_bytes_total") == done.bytes > 0
+    for gauge in ("rlmesh_learner_policy_loss", 'rlmesh_learner_learning_rate{model="actor"}',
+                  'rlmesh_learner_grad_norm{model="critic"}'):
+        assert any(name.startswith(gauge) for name in after), gauge
 
 
 def test_gspo_trains_on_openrlhf_aggregation(learner, plain_model):
