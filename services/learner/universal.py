@@ -91,8 +91,8 @@ def convert(source: pathlib.Path, out: pathlib.Path) -> None:
 
 def normalize(folder: pathlib.Path) -> None:
     """Rewrites one converted model in the form the ZeRO-1/2 and the ZeRO-3 loaders both read."""
-    states = [folder / ZERO1_STATES] if (folder / ZERO1_STATES).is_file() else [folder / ZERO3_STATES]
-    engine_state = torch.load(states[0], map_location="cpu", weights_only=False)
+    states = folder / ZERO1_STATES if (folder / ZERO1_STATES).is_file() else folder / ZERO3_STATES
+    engine_state = torch.load(states, map_location="cpu", weights_only=False)
     shapes = {name: shape for group in engine_state["param_shapes"] for name, shape in group.items()}
     zero = folder / "zero"
     optimizer = torch.load(zero / "optimizer_state.pt", map_location="cpu", weights_only=False)
@@ -103,6 +103,8 @@ def normalize(folder: pathlib.Path) -> None:
     for name, shape in shapes.items():
         for key in STATE_KEYS:
             path = zero / name / f"{key}.pt"
+            if not path.is_file():  # a parameter that never had a gradient has no Adam states
+                continue
             value = torch.load(path, map_location="cpu", weights_only=False)
             if torch.is_tensor(value):  # ZeRO-3's converter writes bare flat tensors
                 torch.save({"param": value.reshape(shape)}, path)
