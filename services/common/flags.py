@@ -28,9 +28,10 @@ class SharedFlag:
 
     help: str
     check: Callable[[Any], str] | None = None
+    choices: tuple | None = None
 
     def field(self, default):
-        return opt(default, self.help, check=self.check)
+        return opt(default, self.help, check=self.check, choices=list(self.choices) if self.choices else None)
 
 
 def positive(example: str) -> Callable[[float], str]:
@@ -46,6 +47,37 @@ ACTOR_LEARNING_RATE = SharedFlag("peak learning rate of the actor (after the war
                                  positive("5e-7"))
 CRITIC_LEARNING_RATE = SharedFlag("peak learning rate of the critic (PPO with --advantage_estimator gae)",
                                   positive("9e-6"))
+# The learner's DeepSpeed and optimizer settings: the coordinator passes them to every learner rank.
+LR_SCHEDULERS = ("constant_with_warmup", "cosine_with_min_lr")
+ZERO_STAGE = SharedFlag("DeepSpeed ZeRO stage: 0 = plain data parallel, 1 = shard optimizer states, 2 = also "
+                        "gradients, 3 = also parameters", choices=(0, 1, 2, 3))
+DEEPSPEED_FILE = SharedFlag(
+    "a DeepSpeed config file (JSON or YAML, or an Accelerate config with a deepspeed_config section, e.g. "
+    "simpleRL-reason's recipes): its ZeRO stage, optimizer offload, bf16, gradient clipping, Adam betas and weight "
+    "decay replace these flags' values; its other settings are laid over rlmesh's DeepSpeed config; 'auto' values "
+    "keep rlmesh's; batch sizes must match the flags")
+BF16 = SharedFlag("bfloat16 parameters and activations (fp32 master weights and gradient accumulation); "
+                  "otherwise float32")
+GRADIENT_CHECKPOINTING = SharedFlag("recompute activations in the backward pass: less memory, about a third more "
+                                    "compute")
+ADAM_OFFLOAD = SharedFlag("keep Adam states and fp32 master weights in host memory (DeepSpeedCPUAdam); needs ZeRO "
+                          "stage >= 1")
+MAX_NORM = SharedFlag("gradient clipping: bound on the global L2 norm of the gradients; 0 disables",
+                      lambda value: "" if value >= 0 else "must be >= 0 (0 disables clipping)")
+MICRO_TRAIN_BATCH_SIZE = SharedFlag("samples per forward/backward pass on one learner rank", at_least_one())
+TRAIN_BATCH_SIZE = SharedFlag("samples per optimizer step over all learner ranks; a multiple of "
+                              "micro_train_batch_size x ranks (the quotient is the gradient accumulation)",
+                              at_least_one())
+LR_SCHEDULER = SharedFlag("learning-rate schedule after the linear warm-up: constant, or cosine decay to "
+                          "min_lr_ratio x the peak over the run's optimizer steps", choices=LR_SCHEDULERS)
+LR_WARMUP_RATIO = SharedFlag("fraction of the run's optimizer steps spent warming up linearly from 0",
+                             lambda value: "" if 0 <= value <= 1 else "must be in [0, 1]")
+L2 = SharedFlag("AdamW weight decay (not applied to biases and norm weights)",
+                lambda value: "" if value >= 0 else "must be >= 0")
+USE_LIGER_KERNEL = SharedFlag("replace the model's RMSNorm, SwiGLU MLP and rotary embedding with the fused Triton "
+                              "kernels of the liger-kernel package (CUDA; pip install liger-kernel)")
+PACKING_SAMPLES = SharedFlag("training: concatenate each micro-batch's samples into one row without padding "
+                             "(attention kept within each sample)")
 MAX_CKPT_NUM = SharedFlag("checkpoints kept (the oldest are removed first when a new one is saved)", at_least_one())
 
 # ---- coordinator and rollout ------------------------------------------------------------------

@@ -98,8 +98,8 @@ class CoordinatorConfig(ServerConfig):
     disable_ds_ckpt: bool = opt(False, "do not write DeepSpeed checkpoints (no resume possible)")
 
     # ---- batch sizes and lengths --------------------------------------------------------------
-    micro_train_batch_size: int = opt(8, "samples per forward/backward on each learner rank")
-    train_batch_size: int = opt(128, "samples per optimizer step (global, across ranks)")
+    micro_train_batch_size: int = flags.MICRO_TRAIN_BATCH_SIZE.field(8)
+    train_batch_size: int = flags.TRAIN_BATCH_SIZE.field(128)
     micro_rollout_batch_size: int = opt(16, "samples per LogProbs / Values / Score call")
     rollout_batch_size: int = opt(1024, "prompts per global step (each sampled --n_samples_per_prompt times)")
     n_samples_per_prompt: int = opt(1, "responses sampled per prompt; > 1 for the group estimators")
@@ -111,27 +111,22 @@ class CoordinatorConfig(ServerConfig):
     generate_max_len: int = opt(1024, "most tokens generated per response")
 
     # ---- optimisation -------------------------------------------------------------------------
-    zero_stage: int = opt(2, "DeepSpeed ZeRO stage", choices=[0, 1, 2, 3])
-    deepspeed: str = opt("", "a DeepSpeed config file for the learner (JSON or YAML, or an Accelerate config with a "
-                         "deepspeed_config section, e.g. simpleRL-reason's recipes): its ZeRO stage, offload, bf16 "
-                         "and clipping replace those flags, its other settings are laid over the learner's config; "
-                         "batch sizes must match the flags")
-    bf16: bool = opt(False, "train in bfloat16")
+    zero_stage: int = flags.ZERO_STAGE.field(2)
+    deepspeed: str = flags.DEEPSPEED_FILE.field("")
+    bf16: bool = flags.BF16.field(False)
     actor_learning_rate: float = flags.ACTOR_LEARNING_RATE.field(1e-6)
     critic_learning_rate: float = flags.CRITIC_LEARNING_RATE.field(9e-6)
-    lr_warmup_ratio: float = opt(0.03, "fraction of training steps spent warming up the learning rate")
-    lr_scheduler: str = opt("cosine_with_min_lr", "learning-rate schedule after the warm-up (cosine decays over "
-                            "the run's optimizer steps)", choices=["constant_with_warmup", "cosine_with_min_lr"])
-    max_norm: float = opt(1.0, "gradient clipping norm")
-    l2: float = opt(0.0, "weight decay")
-    adam_offload: bool = opt(False, "keep Adam states in CPU memory (GPU only)")
-    gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
+    lr_warmup_ratio: float = flags.LR_WARMUP_RATIO.field(0.03)
+    lr_scheduler: str = flags.LR_SCHEDULER.field("cosine_with_min_lr")
+    max_norm: float = flags.MAX_NORM.field(1.0)
+    l2: float = flags.L2.field(0.0)
+    adam_offload: bool = flags.ADAM_OFFLOAD.field(False)
+    gradient_checkpointing: bool = flags.GRADIENT_CHECKPOINTING.field(False)
     flash_attn: bool = opt(False, "FlashAttention in the learner: the flash-attn package if installed, else "
                            "PyTorch's variable-length FlashAttention (GPU only; with --packing_samples the "
                            "latter is used anyway)")
-    use_liger_kernel: bool = opt(False, "liger-kernel's Triton RMSNorm / SwiGLU / RoPE in the learner (GPU only; "
-                                 "pip install liger-kernel)")
-    packing_samples: bool = opt(False, "pack samples without padding in the learner")
+    use_liger_kernel: bool = flags.USE_LIGER_KERNEL.field(False)
+    packing_samples: bool = flags.PACKING_SAMPLES.field(False)
 
     # ---- the RL objective ---------------------------------------------------------------------
     advantage_estimator: str = opt("gae", "advantage estimator (group_norm = GRPO)", choices=list(ADVANTAGE_ESTIMATORS))

@@ -26,7 +26,9 @@ from typing import Literal
 
 import torch
 
+from services.common import flags
 from services.common.config import ConfigError, opt
+from services.common.flags import LR_SCHEDULERS
 from services.common.deepspeed_file import apply_flags, check_batches, merge, read_deepspeed_file
 
 # DeepSpeed picks its accelerator when it is first imported; on a machine without CUDA it must be
@@ -39,7 +41,6 @@ import deepspeed  # noqa: E402
 # torch.distributed warns on every call DeepSpeed makes with its older collective names.
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+`? is deprecated.*", category=FutureWarning)
 
-LR_SCHEDULERS = ("constant_with_warmup", "cosine_with_min_lr")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "varlen")
 ModelKind = Literal["causal_lm", "critic"]
 
@@ -48,43 +49,29 @@ ModelKind = Literal["causal_lm", "critic"]
 class DeepSpeedOptions:
     """DeepSpeed and optimizer settings shared by every trainer."""
 
-    zero_stage: int = opt(2, "DeepSpeed ZeRO stage: 0 = plain data parallel, 1 = shard optimizer states, "
-                          "2 = also gradients, 3 = also parameters", choices=[0, 1, 2, 3])
-    bf16: bool = opt(False, "bfloat16 parameters and activations (fp32 master weights and gradient "
-                     "accumulation); otherwise float32")
-    gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass: less memory, "
-                                       "about a third more compute")
-    adam_offload: bool = opt(False, "keep Adam states and fp32 master weights in host memory (DeepSpeedCPUAdam); "
-                             "needs ZeRO stage >= 1")
-    max_norm: float = opt(1.0, "gradient clipping: bound on the global L2 norm of the gradients; 0 disables")
-    micro_train_batch_size: int = opt(1, "samples per forward/backward pass on one rank")
-    train_batch_size: int = opt(128, "samples per optimizer step over all ranks; must be a multiple of "
-                                "micro_train_batch_size x ranks (the quotient is the gradient accumulation)")
-    lr_scheduler: str = opt("constant_with_warmup", "learning-rate schedule after the linear warm-up: "
-                            "constant, or cosine decay to min_lr_ratio x the peak over max_steps",
-                            choices=list(LR_SCHEDULERS))
-    lr_warmup_ratio: float = opt(0.03, "fraction of max_steps spent warming up linearly from 0 (0 when "
-                                 "max_steps is 0)")
+    zero_stage: int = flags.ZERO_STAGE.field(2)
+    bf16: bool = flags.BF16.field(False)
+    gradient_checkpointing: bool = flags.GRADIENT_CHECKPOINTING.field(False)
+    adam_offload: bool = flags.ADAM_OFFLOAD.field(False)
+    max_norm: float = flags.MAX_NORM.field(1.0)
+    micro_train_batch_size: int = flags.MICRO_TRAIN_BATCH_SIZE.field(1)
+    train_batch_size: int = flags.TRAIN_BATCH_SIZE.field(128)
+    lr_scheduler: str = flags.LR_SCHEDULER.field("constant_with_warmup")
+    lr_warmup_ratio: float = flags.LR_WARMUP_RATIO.field(0.03)
     min_lr_ratio: float = opt(0.1, "cosine_with_min_lr: final learning rate as a fraction of the peak")
     max_steps: int = opt(0, "optimizer steps of the whole run, for the schedule (the coordinator computes it); "
                          "required by cosine_with_min_lr; 0 = unknown")
     adam_betas: list[float] = opt([0.9, 0.95], "Adam beta1 beta2")
-    l2: float = opt(0.0, "AdamW weight decay (not applied to biases and norm weights)")
+    l2: float = flags.L2.field(0.0)
     attn_implementation: str = opt("sdpa", "attention kernel of the transformers model; varlen: PyTorch's "
                                    "FlashAttention for variable-length sequences (CUDA; per-sequence sdpa "
                                    "elsewhere), the fast choice with --packing_samples; flash_attention_2 "
                                    "without the flash-attn package installed means varlen",
                                    choices=list(ATTN_IMPLEMENTATIONS))
-    use_liger_kernel: bool = opt(False, "replace the model's RMSNorm, SwiGLU MLP and rotary embedding with the "
-                                 "fused Triton kernels of the liger-kernel package (CUDA; pip install "
-                                 "liger-kernel)")
-    packing_samples: bool = opt(False, "training: concatenate each micro-batch's samples into one row without "
-                                "padding (attention kept within each sample)")
+    use_liger_kernel: bool = flags.USE_LIGER_KERNEL.field(False)
+    packing_samples: bool = flags.PACKING_SAMPLES.field(False)
     seed: int = opt(42, "seed of model initialisation where weights are new (e.g. the critic's value head)")
-    deepspeed: str = opt("", "a DeepSpeed config file (JSON or YAML, or an Accelerate config with a deepspeed_config "
-                         "section): its ZeRO stage, optimizer offload, bf16, gradient clipping, Adam betas and weight "
-                         "decay replace these flags' values; its other settings are laid over rlmesh's DeepSpeed "
-                         "config; 'auto' values keep rlmesh's; batch sizes must match the flags")
+    deepspeed: str = flags.DEEPSPEED_FILE.field("")
 
     def apply_deepspeed_file(self) -> None:
         """--deepspeed FILE: the settings it decides replace the flags' values (idempotent)."""
