@@ -239,7 +239,8 @@ class CoordinatorConfig(ServerConfig):
     rollout_extra_args: str = opt("", "extra command-line options for every rollout service, e.g. '--max_model_len 2048'")
     reward_extra_args: str = opt("", "extra command-line options for every reward / reference service")
     learner_extra_args: str = opt("", "extra command-line options for the learner")
-    ray_address: str = opt("", "ray: cluster address; empty = RAY_ADDRESS, else a local Ray instance")
+    ray_address: str = opt("", "ray: cluster address (given, it means --placement ray); empty = RAY_ADDRESS, else a "
+                           "local Ray instance")
     ray_num_cpus: int = opt(0, "ray: CPUs of the local Ray instance this run starts; 0 = all")
     ray_cpus_per_service: float = opt(0.1, "ray: CPUs reserved for each service actor (GPU counts come from the *_num_gpus_per_node flags)")
     ray_placement_timeout_s: float = opt(180.0, "ray: how long the cluster may take to find room for the job's "
@@ -330,7 +331,7 @@ class CoordinatorConfig(ServerConfig):
         if self.placement == "auto":
             if given:
                 self.placement = "static"
-            elif os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"):
+            elif self.ray_address or os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"):
                 self.placement = "ray"
             else:
                 self.placement = "local"

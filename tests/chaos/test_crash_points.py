@@ -6,9 +6,15 @@ command with --load_checkpoint), with every step once and the same per-step metr
 fault-free run of tests/chaos/conftest.py. A point missing from every plan fails the walk.
 
 A count `#n` is per process: a restarted process counts from 1 again.
+
+The whole walk takes far longer than the suite's budget on a 2-core machine (each plan restarts
+services several times), so the suite runs the plan of the learner's checkpoint folder (the case
+that used to lose a run); RLMESH_CRASH_WALK=1 runs every plan and the two-rank one.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -27,7 +33,8 @@ PLANS = {
     "learner-push": ["learner.push.group_built", "learner.push.chunk_sent#2", "learner.push.chunk_acknowledged#3",
                      "learner.push.version_committed#4"],
     # A rollout engine killed in the push, then admitted again (the coordinator dies right after that).
-    "rollout-push": ["rollout.push.group_built@rollout-0", "rollout.push.chunk_received@rollout-1",
+    # (#2: the first group is built at start-up, before the run is supervised.)
+    "rollout-push": ["rollout.push.group_built@rollout-0#2", "rollout.push.chunk_received@rollout-1",
                      "rollout.push.version_committed@rollout-0#2", "coordinator.push.engine_admitted"],
     "coordinator-step": ["coordinator.step.generated", "coordinator.step.scored#2", "coordinator.step.trained#2",
                          "coordinator.step.pushed#2", "coordinator.step.done#2"],
@@ -36,6 +43,9 @@ PLANS = {
     "coordinator-checkpoint": ["coordinator.checkpoint.state_written#2", "coordinator.checkpoint.latest_updated#2",
                                "coordinator.checkpoint.pruned#2"],
 }
+IN_SUITE = {"learner-checkpoint-a"}
+WALK_ALL = os.environ.get("RLMESH_CRASH_WALK", "") not in ("", "0")
+walk_only = pytest.mark.skipif(not WALK_ALL, reason="the full crash walk runs with RLMESH_CRASH_WALK=1")
 # The learner's rank group needs two ranks (and is compared step by step on its own terms).
 RANK_PLAN = ["learner.rank.forward_done@rank1", "learner.rank.backward_done@rank1#2",
              "learner.rank.step_done@rank1#3", "learner.rank.result_ready@rank1#4"]
@@ -46,7 +56,7 @@ def test_every_point_is_walked():
     assert planned == set(POINTS), sorted(set(POINTS) ^ planned)
 
 
-@pytest.mark.parametrize("plan", sorted(PLANS))
+@pytest.mark.parametrize("plan", [p if p in IN_SUITE else pytest.param(p, marks=walk_only) for p in sorted(PLANS)])
 def test_a_kill_at_each_point_changes_nothing(plan, baseline, tiny_model_dir, tiny_data_dir, tmp_path):
     base, _ = baseline
     argv = grpo_argv(tiny_model_dir, tiny_data_dir, tmp_path, 2, STEPS) + ["--max_restarts", "8"]
@@ -59,6 +69,7 @@ def test_a_kill_at_each_point_changes_nothing(plan, baseline, tiny_model_dir, ti
         assert (folder / "learner.json").is_file(), sorted(p.name for p in folder.iterdir())
 
 
+@walk_only
 def test_a_rank_killed_at_each_collective_of_a_step(tiny_model_dir, tiny_data_dir, tmp_path):
     argv = grpo_argv(tiny_model_dir, tiny_data_dir, tmp_path, 1, STEPS) + [
         "--actor_num_gpus_per_node", "2", "--max_restarts", "8"]

@@ -510,7 +510,9 @@ class RayPlacement:
                 continue  # a dead node's last lines are lost with it; its restart logs anew
             if chunk:
                 self._log_offsets[key] = self._log_offsets.get(key, 0) + len(chunk)
-                with open(pathlib.Path(self._log_dir) / f"{p.spec.name}.log", "ab") as f:
+                log_dir = pathlib.Path(self._log_dir)
+                log_dir.mkdir(parents=True, exist_ok=True)
+                with open(log_dir / f"{p.spec.name}.log", "ab") as f:
                     f.write(chunk)
 
     async def _mirror_logs(self, every_s: float = 2.0) -> None:

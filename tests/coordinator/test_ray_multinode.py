@@ -1,0 +1,177 @@
+"""The multi-node guide on one machine: a Ray cluster of a head (127.0.0.2, no GPUs: the driver's
+node) and four worker nodes of two logical GPUs each (127.0.0.3 to 127.0.0.6), each its own raylet
+(`rlmesh cluster`, services/coordinator/fleet/local_cluster.py), shared by every test here. Jobs go
+in the guide's way (`ray job submit --address http://127.0.0.1:PORT --runtime-env-json
+'{"working_dir": ...}' -- python3 -m services.coordinator.train_ppo_ray ...`) with --device cpu: the
+services run on the CPU where the plan put their GPUs. Which node holds what is read from the run's
+Prometheus targets file (service, node, metrics address), the services' own logs (the address they
+bound) and the coordinator's log.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from services.coordinator.fleet.local_cluster import LocalCluster, free_port
+from tests.coordinator.conftest import REPO, read_metrics, service_env
+
+HEAD = "127.0.0.2"
+WORKERS = ["127.0.0.3", "127.0.0.4", "127.0.0.5", "127.0.0.6"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    env = {k: v for k, v in service_env().items() if k in ("VLLM_CPU_KVCACHE_SPACE", "TOKENIZERS_PARALLELISM",
+                                                          "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "DS_ACCELERATOR",
+                                                          "WANDB_MODE")}
+    # A short folder: Ray's socket paths under it must stay within 107 bytes.
+    local = LocalCluster(pathlib.Path(tempfile.mkdtemp(prefix="rlc-", dir="/tmp")), env=env)
+    t0 = time.monotonic()
+    # Networking settings on the head alone (the drivers' node): they must reach every service on every node.
+    local.up(workers=len(WORKERS), gpus_per_node=2, port=free_port(), dashboard_port=free_port(),
+             head_env={"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1", "GLOO_SOCKET_IFNAME": "lo"})
+    print(f"cluster of {len(WORKERS) + 1} nodes up in {time.monotonic() - t0:.1f} s")
+    try:
+        assert sorted(local.alive_nodes()) == [HEAD, *WORKERS]
+        yield local
+    finally:
+        local.down()
+        shutil.rmtree(local.folder, ignore_errors=True)
+
+
+def submit(cluster: LocalCluster, argv: list[str], log: pathlib.Path, timeout_s: float) -> tuple[int, str]:
+    """`ray job submit` as the guide types it; returns its exit code and output (the job's log)."""
+    command = [sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", cluster.dashboard_url,
+               "--runtime-env-json", json.dumps({"working_dir": str(REPO)}), "--",
+               "python3", "-m", "services.coordinator.train_ppo_ray", *argv]
+    with open(log, "wb") as out:
+        proc = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s, cwd=REPO,
+                              env={**service_env(), "RAY_ADDRESS": ""})
+    return proc.returncode, log.read_text(errors="replace")
+
+
+def common_argv(model: pathlib.Path, data: pathlib.Path, out: pathlib.Path) -> list[str]:
+    return ["--device", "cpu", "--rollout_engine", "hf", "--pretrain", str(model),
+            "--prompt_data", str(data / "arith_train.jsonl"), "--input_key", "prompt", "--apply_chat_template",
+            "--rollout_batch_size", "8", "--micro_rollout_batch_size", "8", "--generate_max_len", "8",
+            "--prompt_max_len", "64", "--max_steps", "2", "--seed", "0", "--lr_scheduler", "constant_with_warmup",
+            "--lr_warmup_ratio", "0", "--metrics_port", "-1", "--ray_placement_timeout_s", "120",
+            "--ckpt_path", str(out / "ckpt"), "--run_dir", str(out / "run"), "--save_path", str(out / "model")]
+
+
+def nodes_of(run_dir: pathlib.Path, output: str) -> dict[str, str]:
+    """service -> node, from the coordinator's log (every instance, learner ranks included: Ray
+    reports the node of each actor); every metrics target in the run's Prometheus file must be on
+    its own node's address and agree with it."""
+    found = dict(re.findall(r"ray\.service_(?:started|ready) service=(\S+) address=\S+ node=(\S+)", output))
+    targets = json.loads((run_dir / "prometheus_targets.json").read_text())
+    assert targets, "no Prometheus targets"
+    for t in targets:
+        host = t["targets"][0].rpartition(":")[0]
+        assert host == t["labels"]["node"] == found[t["labels"]["service"]], t
+    return found
+
+
+def bound_address(run_dir: pathlib.Path, service: str) -> str:
+    """The host the service's gRPC server bound, from its own log (copied to the run folder)."""
+    log = (run_dir / "logs" / f"{service}.log").read_text(errors="replace")
+    line = next(line for line in log.splitlines() if "server.started" in line)
+    return line.split("address=")[1].split()[0].rpartition(":")[0]
+
+
+def test_job_the_cluster_cannot_hold_fails_in_bounded_time(cluster, tiny_model_dir, tiny_data_dir, tmp_path):
+    """More reference GPUs than the cluster has: the run stops within the bound, naming the role,
+    what it asked for and what the cluster has (run as a driver attached to the cluster)."""
+    argv = [*common_argv(tiny_model_dir, tiny_data_dir, tmp_path), "--ray_address", cluster.address,
+            "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2", "--train_batch_size", "16",
+            "--micro_train_batch_size", "8", "--reward_func", "math", "--label_key", "label",
+            "--init_kl_coef", "0.01", "--ref_num_nodes", "1", "--ref_num_gpus_per_node", "16",
+            "--ray_placement_timeout_s", "15"]
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "services.coordinator.train_ppo_ray", *argv], cwd=REPO,
+                          env={**service_env(), "RAY_ADDRESS": ""}, capture_output=True, text=True, timeout=300)
+    took = time.monotonic() - t0
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-4000:]
+    assert "the ref model (--ref_num_nodes 1 x --ref_num_gpus_per_node 16) asks for 16 bundle(s)" in output, \
+        output[-4000:]
+    assert "16 GPU" in output and "the cluster has 5 live node(s) with 8 GPU" in output, output[-4000:]
+    assert "--ray_placement_timeout_s 15 s" in output
+    print(f"refused after {took:.1f} s")
+    assert took < 120
+
+
+def test_guide_ppo_each_model_on_its_own_node(cluster, tiny_model_dir, tiny_reward_model_dir, tiny_data_dir,
+                                              tmp_path):
+    """(a) The guide's 4-node PPO: reference, reward, actor (and its critic) and the rollout engines
+    each on a node of their own, two GPUs per role."""
+    argv = [*common_argv(tiny_model_dir, tiny_data_dir, tmp_path), "--reward_pretrain", str(tiny_reward_model_dir),
+            "--advantage_estimator", "gae", "--train_batch_size", "8", "--micro_train_batch_size", "4",
+            "--init_kl_coef", "0.01", "--actor_learning_rate", "1e-4", "--critic_learning_rate", "1e-3",
+            "--ref_num_nodes", "1", "--ref_num_gpus_per_node", "2",
+            "--reward_num_nodes", "1", "--reward_num_gpus_per_node", "2",
+            "--critic_num_nodes", "1", "--critic_num_gpus_per_node", "2",
+            "--actor_num_nodes", "1", "--actor_num_gpus_per_node", "2",
+            "--vllm_num_engines", "2", "--vllm_tensor_parallel_size", "1"]
+    t0 = time.monotonic()
+    code, output = submit(cluster, argv, tmp_path / "submit.log", timeout_s=900)
+    print(f"job (a) took {time.monotonic() - t0:.1f} s")
+    assert code == 0 and "succeeded" in output, output[-8000:]
+    run = tmp_path / "run"
+    assert [r["global_step"] for r in read_metrics(run)] == [1, 2]
+    nodes = nodes_of(run, output)
+    roles = {"actor": ["learner", "learner-rank1"], "rollout": ["rollout-0", "rollout-1"],
+             "reward": ["reward-0", "reward-1"], "ref": ["ref-0", "ref-1"]}
+    node_of_role = {}
+    for role, services in roles.items():
+        held = {nodes[s] for s in services}
+        assert len(held) == 1, (role, nodes)  # a role's two GPUs are on one node
+        node_of_role[role] = held.pop()
+    assert sorted(node_of_role.values()) == WORKERS, node_of_role  # four roles, four nodes, none on the head
+    for service, node in nodes.items():
+        if service != "learner-rank1":  # rank 1 serves no gRPC; rank 0 drives it
+            assert bound_address(run, service) == node, service
+    # The driver's NCCL / gloo settings reached the services on other nodes.
+    for service in nodes:
+        log = (run / "logs" / f"{service}.log").read_text(errors="replace")
+        assert "NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1 GLOO_SOCKET_IFNAME=lo" in log, service
+    assert f"ray.service_ready service=ref-0 address={node_of_role['ref']}:" in output
+
+
+def test_guide_hybrid_engine_over_two_nodes(cluster, tiny_model_dir, tiny_data_dir, tmp_path):
+    """(b) + (c) The hybrid engine over two nodes: the actor's four ranks split over two nodes, each
+    engine on the node of the actor rank whose GPU it shares; every address one node gives another
+    (gRPC, the learner's rendezvous, the weight-sync group) is that node's own."""
+    argv = [*common_argv(tiny_model_dir, tiny_data_dir, tmp_path), "--advantage_estimator", "group_norm",
+            "--n_samples_per_prompt", "2", "--train_batch_size", "16", "--micro_train_batch_size", "4",
+            "--reward_func", "math", "--label_key", "label", "--init_kl_coef", "0.01",
+            "--colocate_all_models", "--vllm_enable_sleep", "--deepspeed_enable_sleep",
+            "--actor_num_nodes", "2", "--actor_num_gpus_per_node", "2",
+            "--vllm_num_engines", "4", "--vllm_tensor_parallel_size", "1",
+            "--critic_num_nodes", "0", "--critic_num_gpus_per_node", "0", "--reward_num_nodes", "0",
+            "--reward_num_gpus_per_node", "0", "--ref_num_nodes", "0", "--ref_num_gpus_per_node", "0"]
+    t0 = time.monotonic()
+    code, output = submit(cluster, argv, tmp_path / "submit.log", timeout_s=900)
+    print(f"job (b) took {time.monotonic() - t0:.1f} s")
+    assert code == 0 and "succeeded" in output, output[-8000:]
+    run = tmp_path / "run"
+    assert [r["global_step"] for r in read_metrics(run)] == [1, 2]
+    nodes = nodes_of(run, output)
+    ranks = [nodes["learner"], *(nodes[f"learner-rank{r}"] for r in (1, 2, 3))]
+    assert ranks[0] == ranks[1] != ranks[2] == ranks[3], ranks  # two ranks per node, two nodes
+    assert {nodes[f"rollout-{i}"] for i in range(4)} == set(ranks)
+    assert [nodes[f"rollout-{i}"] for i in range(4)] == ranks  # engine i shares rank i's GPU
+    # The rendezvous of the ranks and the weight-sync group live on rank 0's node, not 127.0.0.1.
+    assert f"weights.group_ready backend=gloo master={ranks[0]}:" in output, output[-6000:]
+    assert f"MASTER_ADDR={ranks[0]} " in (run / "logs" / "learner-rank2.log").read_text(errors="replace")
+    for i in range(4):
+        assert bound_address(run, f"rollout-{i}") == nodes[f"rollout-{i}"]
