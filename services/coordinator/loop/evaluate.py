@@ -180,6 +180,27 @@ async def evaluate_episodes(agents, score, prompts: list[Prompt], n: int, sampli
     return _report(metrics, prefix, started, request_name, samples_per_prompt=n, episodes=len(outcomes))
 
 
+async def evaluate_during_training(cfg, engines, rewards, prompts: list[Prompt], step: int, version: int,
+                                   decoder: QueryDecoder | None, episodes: bool) -> dict[str, float]:
+    """--eval_dataset during training: the metrics of `evaluate` (or `evaluate_episodes` for an
+    agent run, `engines` then being its runner) on the weights the engines hold after `step`,
+    scored through the run's reward pool `rewards`; logged as eval.step."""
+    sampling = rollout_pb2.SamplingOptions(temperature=cfg.eval_temperature, max_tokens=cfg.generate_max_len,
+                                           return_text=True)
+
+    def score(batch: ScoreBatch):
+        return rewards.call(lambda c: c.score(batch, request_id=f"eval{step}"))
+
+    run = evaluate_episodes if episodes else evaluate
+    metrics = await run(engines, score, prompts, cfg.eval_n_samples_per_prompt, sampling, version, cfg.seed,
+                        pass_reward=cfg.eval_pass_reward, decoder=decoder)
+    n = cfg.eval_n_samples_per_prompt
+    log_event(_log, "eval.step", step=step, version=version, pass_at_1=f"{metrics['eval/pass@1']:.4f}",
+              **({f"pass_at_{n}": f"{metrics[f'eval/pass@{n}']:.4f}"} if n > 1 else {}),
+              response_length=f"{metrics['eval/response_length']:.1f}", prompts=len(prompts))
+    return metrics
+
+
 def _report(metrics: dict[str, float], prefix: str, started: float, request_name: str, **fields) -> dict[str, float]:
     """Adds f"{prefix}seconds" and logs the overall (not per-datasource) numbers as <request_name>.done."""
     metrics[f"{prefix}seconds"] = time.monotonic() - started

@@ -30,7 +30,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rlmesh.common.v1 import common_pb2
 from rlmesh.coordinator.v1 import coordinator_pb2 as cpb
 from rlmesh.learner.v1 import learner_pb2, learner_pb2_grpc
-from rlmesh.rollout.v1 import rollout_pb2
 from services.common.crash_points import crash_point
 from services.common.client import make_channel
 from services.common.log import get_logger, log_event
@@ -43,7 +42,7 @@ from services.coordinator.loop.async_loop import AsyncSteps, CollectedStep, admi
 from services.coordinator.loop.checkpoint import CoordinatorState, config_digest
 from services.coordinator.loop.colocation import Colocation
 from services.coordinator.loop.data import Prompt, PromptStream
-from services.coordinator.loop.evaluate import evaluate, evaluate_episodes
+from services.coordinator.loop.evaluate import evaluate_during_training
 from services.coordinator.loop.experience import StepCollector
 from services.coordinator.loop.generation import generate_step, progress_bar, sample_from_response
 from services.coordinator.loop.members import Members
@@ -54,7 +53,7 @@ from services.coordinator.loop.sample_calls import SampleCalls
 from services.coordinator.loop.scoring_pool import ScoringPool
 from services.coordinator.loop.step_metrics import step_metrics
 from services.coordinator.loop.weight_sync import WeightSync
-from services.reward.client import ReferenceClient, RewardClient, ScoreBatch
+from services.reward.client import ReferenceClient, RewardClient
 
 _log = get_logger("coordinator")
 LEARNER_SERVICE = "rlmesh.learner.v1.LearnerService"
@@ -362,28 +361,16 @@ class Trainer:
         Evaluation takes no prompts from the training stream and its generation seeds depend only on
         --seed and the prompt chunk, so a run trains on the same samples with or without it.
         """
-        cfg = self.config
         self.control.set_phase(cpb.PHASE_GENERATING)
         await self.colocation.wake_rollout()
-        sampling = rollout_pb2.SamplingOptions(temperature=cfg.eval_temperature, max_tokens=cfg.generate_max_len,
-                                               return_text=True)
-
-        def score(batch: ScoreBatch):
-            return self.rewards.call(lambda c: c.score(batch, request_id=f"eval{step}"))
-
         # An agent run is evaluated on whole episodes (its multi-turn success), as it trains.
-        run, engines = (evaluate, self.pool) if self.agents is None else (evaluate_episodes, self.agents)
-        metrics = await run(engines, score, self.eval_prompts, cfg.eval_n_samples_per_prompt, sampling,
-                            self.state.weight_version, cfg.seed, pass_reward=cfg.eval_pass_reward,
-                            decoder=self.query_decoder)
+        engines = self.pool if self.agents is None else self.agents
+        metrics = await evaluate_during_training(self.config, engines, self.rewards, self.eval_prompts, step,
+                                                 self.state.weight_version, self.query_decoder,
+                                                 episodes=self.agents is not None)
         # Colocated: vLLM gives the memory back before the learner needs it again, as after generation.
         await self.colocation.sleep_rollout()
         self.last_eval_step = step
-        n = cfg.eval_n_samples_per_prompt
-        log_event(_log, "eval.step", step=step, version=self.state.weight_version,
-                  pass_at_1=f"{metrics['eval/pass@1']:.4f}",
-                  **({f"pass_at_{n}": f"{metrics[f'eval/pass@{n}']:.4f}"} if n > 1 else {}),
-                  response_length=f"{metrics['eval/response_length']:.1f}", prompts=len(self.eval_prompts))
         return metrics
 
     # ------------------------------------------------------------------------------------------
