@@ -99,6 +99,14 @@ def node_processes(ip: str) -> list[int]:
     return sorted(found)
 
 
+def _ray_env() -> dict[str, str]:
+    """This process's environment for the cluster's nodes and clients, with Ray's token
+    authentication off unless RAY_AUTH_MODE says otherwise: a local Ray instance started by
+    ray.init() leaves a token in ~/.ray/auth_token, and nodes that find it there would refuse the
+    clients that do not send it (the cluster listens on loopback only)."""
+    return {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+
+
 class LocalCluster:
     def __init__(self, folder: pathlib.Path, env: dict[str, str] | None = None):
         self.folder = pathlib.Path(folder).resolve()
@@ -196,8 +204,8 @@ class LocalCluster:
         # The agents start slowly on a busy machine; Ray's default wait for them is short.
         # `python3` in a submitted job's entry point is this environment's (the guide's `-- python3 -m ...`).
         path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-        env = {**os.environ, **self.env, **(extra_env or {}), "PATH": path, "RAY_agent_register_timeout_ms": str(int(timeout_s * 1000)),
-               "RAY_DISABLE_DOCKER_CPU_WARNING": "1"}
+        env = {**_ray_env(), **self.env, **(extra_env or {}), "PATH": path,
+               "RAY_agent_register_timeout_ms": str(int(timeout_s * 1000)), "RAY_DISABLE_DOCKER_CPU_WARNING": "1"}
         env.pop("RAY_ADDRESS", None)
         log = temp_dir / "ray-start.log"
         for attempt in range(1, START_ATTEMPTS + 1):
@@ -244,7 +252,7 @@ class LocalCluster:
         script = ("import json, ray; ray.init(address=%r, log_to_driver=False, logging_level='ERROR'); "
                   "print('NODES ' + json.dumps([n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]))"
                   % self.address)
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env = {k: v for k, v in _ray_env().items() if k != "RAY_ADDRESS"}
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
         line = next((l for l in out.stdout.splitlines() if l.startswith("NODES ")), None)
         if line is None:
