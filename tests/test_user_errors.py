@@ -34,7 +34,9 @@ def finish(proc: subprocess.Popen) -> tuple[int, str]:
 
 
 def test_run_command_prints_user_errors_and_lets_bugs_through(monkeypatch, capsys):
-    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    # "0" is off; monkeypatch restores the variable's absence afterwards, also after --debug set it
+    # to "1" below (left set, every later test's commands would print tracebacks).
+    monkeypatch.setenv(DEBUG_ENV, "0")
 
     def fails_with(exc):
         return lambda argv: (_ for _ in ()).throw(exc)

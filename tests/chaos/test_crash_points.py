@@ -26,10 +26,9 @@ from tests.chaos.harness import differences, grpo_argv, run_trial
 PLANS = {
     # The learner killed while creating global_step_N/ (the folder made, then its marker half-written:
     # the mid-folder case), while writing its files, and between its marker and pruning.
-    "learner-checkpoint-a": ["learner.checkpoint.folder_marking", "learner.checkpoint.model_written#2",
-                             "learner.checkpoint.pruned#3"],
+    "learner-checkpoint-a": ["learner.checkpoint.folder_marking", "learner.checkpoint.model_written#2"],
     "learner-checkpoint-b": ["learner.checkpoint.folder_created", "learner.checkpoint.client_state_written#2",
-                             "learner.checkpoint.marker_renamed#3"],
+                             "learner.checkpoint.marker_renamed#3", "learner.checkpoint.pruned#3"],
     "learner-push": ["learner.push.group_built", "learner.push.chunk_sent#2", "learner.push.chunk_acknowledged#3",
                      "learner.push.version_committed#4"],
     # A rollout engine killed in the push, then admitted again (the coordinator dies right after that).

@@ -66,6 +66,14 @@ def start_reward_service(tmp: pathlib.Path, *args: str) -> Proc:
 
 
 def http_stats(base_url: str, reset: bool = False) -> dict:
+    """The server's counters; reset=True first waits (at most 30 s) for calls an earlier test left
+    in flight, so that they do not count in the next test's concurrency."""
+    deadline = time.monotonic() + 30.0
+    while reset and time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{base_url}/stats", timeout=10) as r:
+            if not json.loads(r.read()).get("in_flight", 0):
+                break
+        time.sleep(0.1)
     with urllib.request.urlopen(f"{base_url}/stats" + ("?reset=1" if reset else ""), timeout=10) as r:
         return json.loads(r.read())
 

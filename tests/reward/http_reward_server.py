@@ -20,7 +20,7 @@ and extra_logs {"query_len": len(query)}. Routes:
                     rewards, scores and every extra_logs entry (those of the first sample)
     /by_label       the behaviour named by the first sample's label, e.g. "mode:slow:2", "mode:flaky:2:k",
                     "mode:garbage" (any route above; its parameters in order); other labels: /ok
-    /stats          JSON {route: calls, "max_concurrent": n, "batch_sizes": [...]}; ?reset=1 clears
+    /stats          JSON {route: calls, "max_concurrent": n, "in_flight": n, "batch_sizes": [...]}; ?reset=1 clears
 """
 
 import argparse
@@ -110,7 +110,8 @@ async def reward(request: web.Request) -> web.StreamResponse:
 
 
 async def stats(request: web.Request) -> web.Response:
-    out = {**calls, "max_concurrent": concurrency["max"], "batch_sizes": list(batch_sizes)}
+    out = {**calls, "max_concurrent": concurrency["max"], "in_flight": concurrency["now"],
+           "batch_sizes": list(batch_sizes)}
     if request.query.get("reset"):
         calls.clear()
         flaky_seen.clear()
