@@ -209,12 +209,12 @@ class Recovery:
         # A learner restarted faster than a health check notices (static placement: same address)
         # no longer holds the last pushed version. (Newer is fine: with --async_train a push may be
         # under way while the next step starts.)
-        info = await self.t.refresh_learner_info()
-        if info.weight_version < self.t.weight_version():
+        held = await self.t.learner_weight_version()
+        if held < self.t.weight_version():
             self.learner_restarted = True
-            self.sup.event("learner.lost_state", learner_version=info.weight_version,
+            self.sup.event("learner.lost_state", learner_version=held,
                            expected=self.t.weight_version(), action="rewind to the last checkpoint")
-            raise LearnerRestarted(f"the learner holds weight version {info.weight_version}, not "
+            raise LearnerRestarted(f"the learner holds weight version {held}, not "
                                    f"{self.t.weight_version()}: it restarted")
         # The same for a rollout engine: one that no longer holds the pushed version is admitted again.
         engines = self.members.admitted_engines()

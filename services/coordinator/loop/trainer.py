@@ -133,7 +133,7 @@ class Trainer:
 
     async def setup(self, resume: bool) -> None:
         cfg = self.config
-        await self.refresh_learner_info()
+        await self.refresh_learner_info(timeout_s=30.0)
         if self.learner_info.train_batch_size != cfg.train_batch_size:
             raise RuntimeError(f"the learner at {self.endpoints.learner} trains with --train_batch_size "
                                f"{self.learner_info.train_batch_size} but this run has --train_batch_size "
@@ -489,10 +489,15 @@ class Trainer:
         """Nothing of the failed step was kept: its prompts are taken again from the same position."""
         self.stream.restore(self.state.episode, self.state.data_position)
 
-    async def refresh_learner_info(self) -> learner_pb2.GetInfoResponse:
+    async def refresh_learner_info(self, timeout_s: float = 60.0) -> learner_pb2.GetInfoResponse:
+        """The learner's GetInfo, kept as the loop's view of it (start-up, after a rewind)."""
         self.learner_info = self.weights.learner_info = await self.learner.GetInfo(
-            learner_pb2.GetInfoRequest(), timeout=60.0)
+            learner_pb2.GetInfoRequest(), timeout=timeout_s)
         return self.learner_info
+
+    async def learner_weight_version(self) -> int:
+        """The weight version the learner holds now (a check; the loop's view is not changed)."""
+        return (await self.learner.GetInfo(learner_pb2.GetInfoRequest(), timeout=60.0)).weight_version
 
     async def learner_serving(self) -> bool:
         """Whether the learner's address answers grpc.health.v1 with SERVING."""
