@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import importlib.util
 import math
 import os
+import sys
 import warnings
 from typing import Literal
 
@@ -35,6 +37,27 @@ from services.common.deepspeed_file import apply_flags, check_batches, merge, re
 # the CPU one (gloo collectives, torch Adam).
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def _own_extension_folder() -> None:
+    """On the CPU, DeepSpeed's collectives compile a C++ op (deepspeed_shm_comm) at every start, a
+    no-op while torch's extension cache holds it, a minute or more on a small machine when not. That
+    cache is one folder per op name, and the build command names the install's paths: two installs on
+    one machine (two virtual environments, a checkout and a clone) rebuild it in turn, each start.
+    A folder per install (and Python, torch, compiler settings) keeps each build; TORCH_EXTENSIONS_DIR,
+    when set, is the user's choice and stays."""
+    if "TORCH_EXTENSIONS_DIR" in os.environ:
+        return
+    spec = importlib.util.find_spec("deepspeed")
+    build = [sys.executable, sys.prefix, spec.origin if spec else "", torch.__file__, torch.__version__,
+             *(os.environ.get(name, "") for name in ("CC", "CXX", "CFLAGS", "CXXFLAGS", "LDFLAGS"))]
+    key = hashlib.sha256("\0".join(build).encode()).hexdigest()[:16]
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(cache, "torch_extensions", f"rlmesh-{key}")
+
+
+if not torch.cuda.is_available():
+    _own_extension_folder()
 
 import deepspeed  # noqa: E402
 
