@@ -1,5 +1,5 @@
 # The two commands of the README. Each sets up .venv idempotently first (scripts/setup.sh).
-.PHONY: quickstart demo test setup
+.PHONY: quickstart demo test test-all setup
 
 setup:
 	bash scripts/setup.sh
@@ -11,3 +11,7 @@ demo: quickstart
 
 test: setup
 	bash scripts/test.sh
+
+# The suite and the learning-quality runs marked `slow` (several minutes more).
+test-all: setup
+	RLMESH_TEST_SLOW=1 bash scripts/test.sh

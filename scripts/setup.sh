@@ -65,7 +65,8 @@ $PIP install "deepspeed==0.19.8" "ray[default]==2.60.0" "grpcio>=1.70" \
 if [ "${RLMESH_SETUP_DEV:-1}" != 0 ]; then
   # kubernetes-validate: the deploy tests check the Kubernetes manifests against its bundled schemas.
   # pytest-randomly: the suite runs in a shuffled order (a test that needs another's leftovers fails).
-  $PIP install "grpcio-tools>=1.70" "tensorboard" "pytest" "pytest-timeout" "pytest-randomly" \
+  # pytest-xdist: the suite runs on two workers (scripts/test.sh).
+  $PIP install "grpcio-tools>=1.70" "tensorboard" "pytest" "pytest-timeout" "pytest-randomly" "pytest-xdist" \
     "kubernetes-validate==1.37.0"
 fi
 # The images install the dependencies in a layer of their own and add the code later.

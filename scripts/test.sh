@@ -19,4 +19,16 @@ case " $* " in
   *) seed=$(( (RANDOM << 15) | RANDOM )); order=(-p randomly "--randomly-seed=$seed")
      echo "Using --randomly-seed=$seed" ;;
 esac
-exec .venv/bin/python -m pytest "${targets[@]}" -q -rs --durations=25 ${order[@]+"${order[@]}"} "$@"
+# Tests marked `slow` (learning-quality runs of several minutes each: async GRPO against synchronous
+# accuracy, the agent's multi-turn success rising) run with RLMESH_TEST_SLOW=1 (`make test-all`), or
+# when the arguments choose markers themselves (-m).
+select=(-m "not slow")
+case " $* " in *" -m "*) select=() ;; esac
+[ "${RLMESH_TEST_SLOW:-0}" = 1 ] && select=()
+# Two workers (pytest-xdist): the tests wait on their services' start-ups for much of their time, so
+# a second worker fills what one leaves idle. The tests of a module, and of modules that share a
+# session's services (tests/conftest.py: group_for_workers), run on one worker. RLMESH_TEST_WORKERS=0
+# runs everything in this process.
+workers=(-n "${RLMESH_TEST_WORKERS:-2}" --dist loadgroup)
+[ "${RLMESH_TEST_WORKERS:-2}" = 0 ] && workers=(-p no:xdist)
+exec .venv/bin/python -m pytest "${targets[@]}" -q -rs --durations=25 "${workers[@]}" ${select[@]+"${select[@]}"} ${order[@]+"${order[@]}"} "$@"

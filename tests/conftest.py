@@ -24,8 +24,10 @@ requires_cuda = pytest.mark.requires_cuda
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "requires_cuda: needs a CUDA GPU; skipped without one")
+    config.addinivalue_line("markers", "xdist_group(name): the tests of a group run on one worker")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (after pytest-randomly's shuffle)
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     for item in items:
@@ -33,6 +35,53 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(requires_cuda)
         if not HAS_CUDA and item.get_closest_marker("requires_cuda"):
             item.add_marker(skip)
+    group_for_workers(items)
+
+
+# Session fixtures that start processes or train: every test that uses one runs on the worker that
+# built it (scripts/test.sh runs the suite on parallel workers, pytest-xdist's --dist loadgroup).
+SHARED_FIXTURES = {"quickstart_run": "quickstart", "baseline": "chaos-baseline",
+                   "vllm_rollout": "rollout-services", "hf_rollout": "rollout-services"}
+# Modules that start Ray (a local instance or a cluster of loopback nodes): one at a time, on one worker.
+RAY_MODULES = ("tests/coordinator/test_ray.py", "tests/chaos/test_ray_chaos.py",
+               "tests/coordinator/test_ray_multinode.py")
+# Groups that take minutes go out first, so that no long one starts last (measured on 2 cores).
+LONG_GROUPS = ("ray", "chaos-baseline", "quickstart", "tests/chaos/test_learner_ranks.py",
+               "tests/chaos/test_static_chaos.py", "tests/deploy/test_compose_local.py", "tests/coordinator/test_static.py")
+
+
+def group_for_workers(items) -> None:
+    """Marks each test with the xdist group it runs in: its module (its module fixtures are built
+    once), joined with every module that shares one of SHARED_FIXTURES with it; RAY_MODULES form
+    one group. Without xdist the
+    marks change nothing but the order: long groups first, each group's tests together, the groups
+    and the tests within them in pytest-randomly's order."""
+    root = Path(__file__).resolve().parents[1]
+    parent: dict[str, str] = {}
+
+    def find(name: str) -> str:
+        while parent.setdefault(name, name) != name:
+            name = parent[name]
+        return name
+
+    module_of = {}
+    for item in items:
+        module = module_of[item] = Path(str(item.fspath)).resolve().relative_to(root).as_posix()
+        if module in RAY_MODULES:
+            parent[find(module)] = find("ray")
+        for fixture in set(item.fixturenames) & SHARED_FIXTURES.keys():
+            parent[find(module)] = find(SHARED_FIXTURES[fixture])
+    names = {}
+    for item in items:
+        group = find(module_of[item])
+        names[item] = next((name for name in ("ray", *SHARED_FIXTURES.values()) if find(name) == group), group)
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(names[item]))
+    first_seen = {}
+    for index, item in enumerate(items):
+        first_seen.setdefault(names[item], index)
+    rank = {name: LONG_GROUPS.index(name) if name in LONG_GROUPS else len(LONG_GROUPS) for name in first_seen}
+    items.sort(key=lambda item: (rank[names[item]], first_seen[names[item]]))
 
 
 _HANDED_OUT: set[int] = set()

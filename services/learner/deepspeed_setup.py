@@ -45,8 +45,10 @@ def _own_extension_folder() -> None:
     cache is one folder per op name, and the build command names the install's paths: two installs on
     one machine (two virtual environments, a checkout and a clone) rebuild it in turn, each start.
     A folder per install (and Python, torch, compiler settings) keeps each build; TORCH_EXTENSIONS_DIR,
-    when set, is the user's choice and stays."""
-    if "TORCH_EXTENSIONS_DIR" in os.environ:
+    when set, is the user's choice and stays (one of these folders, inherited from a parent process
+    of another install, is chosen again)."""
+    chosen = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if chosen and not os.path.basename(chosen.rstrip(os.sep)).startswith("rlmesh-"):
         return
     spec = importlib.util.find_spec("deepspeed")
     build = [sys.executable, sys.prefix, spec.origin if spec else "", torch.__file__, torch.__version__,
