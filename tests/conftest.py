@@ -77,6 +77,15 @@ def group_for_workers(items) -> None:
         names[item] = next((name for name in ("ray", *SHARED_FIXTURES.values()) if find(name) == group), group)
         if not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(names[item]))
+    if getattr(items[0].config.option, "loadgroup", False) if items else False:
+        # pytest-xdist 3.8 names the group in the test's id (path::test@group) by assigning
+        # item._nodeid, which pytest 9.2 no longer reads (Node.nodeid is str(item._id)): done here.
+        from _pytest.nodeid import NodeId
+
+        for item in items:
+            group = item.get_closest_marker("xdist_group").args[0]
+            if not item.nodeid.endswith(f"@{group}"):
+                item._id = NodeId.parse(f"{item.nodeid}@{group}")
     first_seen = {}
     for index, item in enumerate(items):
         first_seen.setdefault(names[item], index)
