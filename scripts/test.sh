@@ -25,10 +25,9 @@ esac
 select=(-m "not slow")
 case " $* " in *" -m "*) select=() ;; esac
 [ "${RLMESH_TEST_SLOW:-0}" = 1 ] && select=()
-# Two workers (pytest-xdist): the tests wait on their services' start-ups for much of their time, so
-# a second worker fills what one leaves idle. The tests of a module, and of modules that share a
-# session's services (tests/conftest.py: group_for_workers), run on one worker. RLMESH_TEST_WORKERS=0
-# runs everything in this process.
-workers=(-n "${RLMESH_TEST_WORKERS:-2}" --dist loadgroup)
-[ "${RLMESH_TEST_WORKERS:-2}" = 0 ] && workers=(-p no:xdist)
+# RLMESH_TEST_WORKERS=2 runs the suite on two pytest-xdist workers; the tests of a module, and of
+# modules that share a session's services or Ray, stay on one worker (tests/conftest.py:
+# group_for_workers). One process is the default until a whole two-worker run is green.
+workers=(-n "${RLMESH_TEST_WORKERS:-0}" --dist loadgroup)
+[ "${RLMESH_TEST_WORKERS:-0}" = 0 ] && workers=(-p no:xdist)
 exec .venv/bin/python -m pytest "${targets[@]}" -q -rs --durations=25 "${workers[@]}" ${select[@]+"${select[@]}"} ${order[@]+"${order[@]}"} "$@"
