@@ -35,7 +35,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(requires_cuda)
         if not HAS_CUDA and item.get_closest_marker("requires_cuda"):
             item.add_marker(skip)
-    group_for_workers(items)
+    group_for_workers(config, items)
 
 
 # Session fixtures that start processes or train: every test that uses one runs on the worker that
@@ -50,12 +50,11 @@ LONG_GROUPS = ("ray", "chaos-baseline", "quickstart", "tests/chaos/test_learner_
                "tests/chaos/test_static_chaos.py", "tests/deploy/test_compose_local.py", "tests/coordinator/test_static.py")
 
 
-def group_for_workers(items) -> None:
+def group_for_workers(config, items) -> None:
     """Marks each test with the xdist group it runs in: its module (its module fixtures are built
     once), joined with every module that shares one of SHARED_FIXTURES with it; RAY_MODULES form
-    one group. Without xdist the
-    marks change nothing but the order: long groups first, each group's tests together, the groups
-    and the tests within them in pytest-randomly's order."""
+    one group. Without xdist the marks change nothing but the order: long groups first, each group's
+    tests together, the groups and the tests within them in pytest-randomly's order."""
     root = Path(__file__).resolve().parents[1]
     parent: dict[str, str] = {}
 
@@ -77,7 +76,7 @@ def group_for_workers(items) -> None:
         names[item] = next((name for name in ("ray", *SHARED_FIXTURES.values()) if find(name) == group), group)
         if not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(names[item]))
-    if getattr(items[0].config.option, "loadgroup", False) if items else False:
+    if getattr(config.option, "loadgroup", False):
         # pytest-xdist 3.8 names the group in the test's id (path::test@group) by assigning
         # item._nodeid, which pytest 9.2 no longer reads (Node.nodeid is str(item._id)): done here.
         from _pytest.nodeid import NodeId

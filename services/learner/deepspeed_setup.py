@@ -33,12 +33,6 @@ from services.common.config import ConfigError, opt
 from services.common.flags import LR_SCHEDULERS
 from services.common.deepspeed_file import apply_flags, check_batches, merge, read_deepspeed_file
 
-# DeepSpeed picks its accelerator when it is first imported; on a machine without CUDA it must be
-# the CPU one (gloo collectives, torch Adam).
-if not torch.cuda.is_available():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-
 def _own_extension_folder() -> None:
     """On the CPU, DeepSpeed's collectives compile a C++ op (deepspeed_shm_comm) at every start, a
     no-op while torch's extension cache holds it, a minute or more on a small machine when not. That
@@ -58,7 +52,10 @@ def _own_extension_folder() -> None:
     os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(cache, "torch_extensions", f"rlmesh-{key}")
 
 
+# DeepSpeed picks its accelerator when it is first imported; on a machine without CUDA it must be
+# the CPU one (gloo collectives, torch Adam).
 if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     _own_extension_folder()
 
 import deepspeed  # noqa: E402
