@@ -60,6 +60,13 @@ if not torch.cuda.is_available():
 
 import deepspeed  # noqa: E402
 
+if not torch.cuda.is_available():
+    # DeepSpeed's CPU collectives compile a shared-memory C++ op at the first init_distributed (one to
+    # two minutes on a small machine, at a fresh install's first learner start). Only its inference
+    # all-reduce (tensor-parallel inference kernels) uses it; training's collectives go through gloo.
+    # (deepspeed.comm.torch as an attribute is the torch package, which deepspeed.comm re-exports.)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
 # torch.distributed warns on every call DeepSpeed makes with its older collective names.
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+`? is deprecated.*", category=FutureWarning)
 

@@ -51,7 +51,8 @@ _FINISH = {"stop": rollout_pb2.FINISH_REASON_STOP, "length": rollout_pb2.FINISH_
 _ENGINE_KINDS = {"vllm": rollout_pb2.ENGINE_KIND_VLLM, "hf": rollout_pb2.ENGINE_KIND_HF}
 ENGINE_POLL_S = 0.25  # how often the service asks whether its engine still lives
 ENGINE_DEAD_EXIT_CODE = 3
-ENGINE_DEAD_GRACE_S = 2.0  # in-flight calls fail on a dead engine; this lets their errors reach the callers
+ENGINE_DEAD_GRACE_S = 10.0  # in-flight calls fail on a dead engine; this lets their errors reach the callers
+# (an upper bound: the server stops as soon as they have ended, within a second when the machine is idle)
 
 log = get_logger("rollout")
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 from collections.abc import AsyncIterator, Sequence
 
 import vllm
@@ -48,6 +49,20 @@ WORKER_EXTENSION = "services.rollout.worker_extension.RolloutWorkerExtension"
 _FINISH_REASONS = {"stop": "stop", "length": "length"}  # anything else ("abort", "error") ends as abort
 
 log = get_logger("rollout")
+
+
+def cpu_process_layout(config: RolloutConfig) -> None:
+    """On the CPU, vLLM's defaults assume the engine has the machine to itself: it pins its worker to
+    all cores but one, and runs that worker in a process of its own (one more vLLM import, ~10 s on 2
+    cores). A rollout service shares its machine with the learner, the scorers and often other engines,
+    which all pinned themselves to the same core. So, unless the user set them: no pinning (the OS
+    spreads the processes), and with one worker (tensor parallel 1) the worker inside the engine-core
+    process, as vLLM runs it on a GPU. Called before the engine starts; GPUs are left as they are."""
+    if not current_platform.is_cpu():
+        return
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    if config.tensor_parallel_size == 1:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def engine_args(config: RolloutConfig) -> AsyncEngineArgs:
@@ -117,6 +132,7 @@ class _Running:
 class VllmEngine(Engine):
     def __init__(self, config: RolloutConfig):
         self.config = config
+        cpu_process_layout(config)
         self.llm = AsyncLLM.from_engine_args(engine_args(config))
         # What sleep() released and wake_up() has not restored yet: vLLM's allocator fails when asked
         # to wake a tag that is already awake, and WakeUp is documented as safe to repeat.
