@@ -29,5 +29,11 @@ case " $* " in *" -m "*) select=() ;; esac
 # modules that share a session's services or Ray, stay on one worker (tests/conftest.py:
 # group_for_workers). One process is the default until a whole two-worker run is green.
 workers=(-n "${RLMESH_TEST_WORKERS:-0}" --dist loadgroup)
-[ "${RLMESH_TEST_WORKERS:-0}" = 0 ] && workers=(-p no:xdist)
+if [ "${RLMESH_TEST_WORKERS:-0}" = 0 ]; then
+  workers=(-p no:xdist)
+else
+  # One compute thread per process: the workers' services share the machine's cores, and torch's
+  # default (a thread per core in every process) has them spinning against each other.
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+fi
 exec .venv/bin/python -m pytest "${targets[@]}" -q -rs --durations=25 "${workers[@]}" ${select[@]+"${select[@]}"} ${order[@]+"${order[@]}"} "$@"
