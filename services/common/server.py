@@ -218,9 +218,16 @@ def run_service(name: str, config: ServerConfig, build: Callable[[ServiceRunner]
         sys.exit(USER_ERROR_EXIT_CODE)
     if exit_code:
         # A service that gives up (e.g. its engine died) leaves at once, so that its supervisor can
-        # restart it: its server and engine are stopped already, and the interpreter's teardown is
-        # skipped (libtorch's static destructors alone take seconds, tens of seconds on a busy machine).
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(exit_code)
+        # restart it: its server and engine are stopped already.
+        exit_now(exit_code)
+
+
+def exit_now(code: int) -> None:
+    """Ends a service's process once its server and engines have stopped: the logs are flushed and
+    the interpreter's teardown is skipped (a full garbage collection of torch's and the engines'
+    objects, then libtorch's static destructors: seconds, tens of seconds on a busy machine), so a
+    supervisor restarting the service, or a coordinator stopping it, does not wait for it."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

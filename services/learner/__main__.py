@@ -9,13 +9,12 @@ LOCAL_RANK, MASTER_ADDR, MASTER_PORT. Rank 0 serves gRPC (SIGTERM stops it and e
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 
 from services.common.config import ConfigError, parse_config
 from services.common.log import get_logger, log_event
-from services.common.server import run_service
+from services.common.server import exit_now, run_service
 from services.common.user_errors import run_command
 from services.learner.config import LearnerConfig
 from services.learner.learner_rank import LearnerRank
@@ -78,9 +77,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    status = run_command(main)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip interpreter teardown: a rank thread may still sit in a collective after a failure, and
-    # DeepSpeed / process-group destructors can block on peers that are gone.
-    os._exit(status)
+    # Without the interpreter's teardown also because a rank thread may still sit in a collective
+    # after a failure, and DeepSpeed / process-group destructors can block on peers that are gone.
+    exit_now(run_command(main))

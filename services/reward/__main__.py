@@ -6,10 +6,8 @@
     python -m services.reward --reward_func math --ref_pretrain DIR
 """
 
-import sys
-
 from services.common.config import parse_config
-from services.common.server import run_service
+from services.common.server import exit_now, run_service
 from services.common.user_errors import run_command
 from services.reward.config import RewardConfig
 from services.reward.server import add_reference_service, add_reward_service, make_reward_source
@@ -37,4 +35,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_command(main))
+    exit_now(run_command(main))

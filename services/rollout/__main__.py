@@ -1,9 +1,7 @@
 """python -m services.rollout --pretrain DIR [--engine vllm|hf] [--port 50051] [--metrics_port 9101] ..."""
 
-import sys
-
 from services.common.config import parse_config
-from services.common.server import run_service
+from services.common.server import exit_now, run_service
 from services.common.user_errors import run_command
 from services.rollout.config import RolloutConfig
 
@@ -17,4 +15,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_command(main))
+    exit_now(run_command(main))
