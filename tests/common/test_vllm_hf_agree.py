@@ -65,7 +65,10 @@ def test_vllm_and_transformers_agree_on_greedy_tokens(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out_path = tmp_path / "vllm.json"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    # The engine inside the child's own process (vLLM's in-process mode): one vLLM start instead of
+    # three processes each importing it.
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
     proc = subprocess.run(
         [sys.executable, __file__, str(tiny_model_dir), str(out_path)],
         env=env,
