@@ -25,11 +25,11 @@ esac
 select=(-m "not slow")
 case " $* " in *" -m "*) select=() ;; esac
 [ "${RLMESH_TEST_SLOW:-0}" = 1 ] && select=()
-# RLMESH_TEST_WORKERS=2 runs the suite on two pytest-xdist workers; the tests of a module, and of
-# modules that share a session's services or Ray, stay on one worker (tests/conftest.py:
-# group_for_workers). One process is the default until a whole two-worker run is green.
-workers=(-n "${RLMESH_TEST_WORKERS:-0}" --dist loadgroup)
-if [ "${RLMESH_TEST_WORKERS:-0}" = 0 ]; then
+# Two pytest-xdist workers (RLMESH_TEST_WORKERS=N for N, 0 for one process); the tests of a module,
+# and of modules that share a session's services or Ray, stay on one worker (tests/conftest.py:
+# group_for_workers).
+workers=(-n "${RLMESH_TEST_WORKERS:-2}" --dist loadgroup)
+if [ "${RLMESH_TEST_WORKERS:-2}" = 0 ]; then
   workers=(-p no:xdist)
 else
   # One compute thread per process: the workers' services share the machine's cores, and torch's
