@@ -53,6 +53,7 @@ class PromptRow:
     label: str  # reference answer for rule rewards ("" when the data has none)
     datasource: str  # the row's own datasource field, else the file's name without suffix
     index: int  # row number in its file
+    extra_info: str = ""  # the row's extra_info mapping (veRL data) as JSON text; "" without one
 
 
 @dataclass(frozen=True)
@@ -430,6 +431,18 @@ def _require_tokenizer(tokenizer, why: str) -> None:
 # Prompts (RL and evaluation)
 
 
+def _extra_info(row: dict) -> str:
+    """veRL data's per-row `extra_info` mapping (split, index, the original question, ...), which
+    veRL hands to reward functions, as JSON text; "" for a row without one."""
+    value = row.get("extra_info")
+    if value is None:
+        return ""
+    if not isinstance(value, dict):
+        raise BadRow("extra_info is not a mapping", f"got {type(value).__name__}; veRL reward functions get a dict "
+                     "per row: store an object there, or drop the column")
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
 def load_prompts(paths, probs=None, input_key: str = "prompt", label_key: str = "label", tokenizer=None,
                  apply_chat_template: bool = False, input_template: str | None = None, max_len: int | None = None,
                  max_samples: int | None = None, seed: int = 42, strict: bool = False, shuffle: bool = True,
@@ -455,7 +468,8 @@ def load_prompts(paths, probs=None, input_key: str = "prompt", label_key: str = 
             label = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
         if max_len and max_len > 0:
             _check_length(len(_encode(tokenizer, prompt, not apply_chat_template)), max_len, "prompt")
-        return PromptRow(prompt=prompt, label=label, datasource=datasource, index=index)
+        return PromptRow(prompt=prompt, label=label, datasource=datasource, index=index,
+                         extra_info=_extra_info(row))
 
     return _load(paths, probs, max_samples, seed, shuffle, strict, split, convert)
 

@@ -59,6 +59,8 @@ def sample_sizes(batch: ScoreBatch, token_bytes: int = 4) -> list[int]:
     fields = (batch.queries, batch.prompts, batch.responses, batch.labels, batch.sample_ids, batch.data_sources)
     for i in range(len(batch)):
         size = _SAMPLE_OVERHEAD_BYTES + sum(_utf8_len(f[i]) for f in fields)
+        if batch.extra_infos:
+            size += _utf8_len(batch.extra_infos[i])
         for ids in (batch.prompt_token_ids, batch.response_token_ids):
             if ids is not None:
                 size += token_bytes * len(ids[i]) + 8
@@ -70,7 +72,8 @@ def score_request(batch: ScoreBatch, request_id: str = "") -> reward_pb2.ScoreRe
     """The ScoreRequest of a batch; token ids travel as INT32 (every vocabulary fits)."""
     request = reward_pb2.ScoreRequest(request_id=request_id, samples=[
         reward_pb2.Sample(sample_id=batch.sample_ids[i], prompt=batch.prompts[i], response=batch.responses[i],
-                          query=batch.queries[i], label=batch.labels[i], data_source=batch.data_sources[i])
+                          query=batch.queries[i], label=batch.labels[i], data_source=batch.data_sources[i],
+                          extra_info=batch.extra_infos[i] if batch.extra_infos else "")
         for i in range(len(batch))])
     if batch.prompt_token_ids is not None:
         request.prompt_token_ids.CopyFrom(ragged_to_proto(batch.prompt_token_ids, torch.int32))

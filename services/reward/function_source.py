@@ -6,8 +6,9 @@
 
 (`--remote_rm_url path/to/file.py`), or any such callable handed over in Python (the gRPC server
 base in function_server.py; it must be defined at module level, since workers import it by name).
-Besides the three lists, the function receives those of `responses`, `sample_ids` and
-`data_sources` that it names or, with **kwargs, all of them.
+Besides the three lists, the function receives those of `responses`, `sample_ids`, `data_sources`
+and `extra_infos` (each row's extra_info dict, {} when it has none) that it names or, with **kwargs,
+all of them.
 
 Each call runs in a worker process, in its main thread (function_worker.py): libraries that time
 out with SIGALRM, such as math-verify, work as in a script, and a call past the time limit is
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import os
 import pathlib
 import subprocess
@@ -243,6 +245,8 @@ class FunctionRewardSource(RewardSource):
 
     async def _score_chunk(self, chunk: ScoreBatch, offset: int) -> SourceScores:
         extra = {"responses": chunk.responses, "sample_ids": chunk.sample_ids, "data_sources": chunk.data_sources}
+        if "extra_infos" in self.optional:  # parsed once here (the reward service checked each is an object)
+            extra["extra_infos"] = [json.loads(t) if t else {} for t in chunk.extra_infos or [""] * len(chunk)]
         kwargs = {name: list(extra[name]) for name in self.optional}
         request = (list(chunk.queries), list(chunk.prompts), list(chunk.labels), kwargs)
         span = _span(chunk, offset)

@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection
 
 from services.reward import verl_convention
 
-OPTIONAL_ARGUMENTS = ("responses", "sample_ids", "data_sources")
+OPTIONAL_ARGUMENTS = ("responses", "sample_ids", "data_sources", "extra_infos")
 _TRACEBACK_CHARS = 2000  # tail of a user traceback quoted in the error
 
 
@@ -81,7 +81,8 @@ def load_reward_func(target: str) -> Callable:
 
 
 def optional_arguments(func: Callable) -> list[str]:
-    """Which of responses / sample_ids / data_sources the function takes (all of them with **kwargs)."""
+    """Which of responses / sample_ids / data_sources / extra_infos the function takes (all of them with
+    **kwargs)."""
     return verl_convention.accepted(func, OPTIONAL_ARGUMENTS)
 
 

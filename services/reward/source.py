@@ -34,6 +34,8 @@ class ScoreBatch:
     # Token ids per sample (1-D int tensors) when the caller sent them, else None.
     prompt_token_ids: list[torch.Tensor] | None = None
     response_token_ids: list[torch.Tensor] | None = None
+    # Each row's extra_info as JSON object text ("" = {}), when the caller sent any, else None.
+    extra_infos: list[str] | None = None
 
     def __len__(self) -> int:
         return len(self.queries)
@@ -42,7 +44,7 @@ class ScoreBatch:
         part = lambda xs: None if xs is None else xs[start:stop]  # noqa: E731
         return ScoreBatch(self.queries[start:stop], self.prompts[start:stop], self.responses[start:stop],
                           self.labels[start:stop], self.sample_ids[start:stop], self.data_sources[start:stop],
-                          part(self.prompt_token_ids), part(self.response_token_ids))
+                          part(self.prompt_token_ids), part(self.response_token_ids), part(self.extra_infos))
 
     def describe(self, index: int) -> str:
         """'sample 5 (id "p3/1")' for error messages."""

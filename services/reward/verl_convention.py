@@ -13,8 +13,8 @@ compute_score) defines one of
 either of them possibly `async def`. `as_batch_reward_func` wraps such a function into
 reward_func(queries, prompts, labels, responses, data_sources): solution_str is the response text
 (the model's tokens decoded, without the prompt), ground_truth the sample's label (a veRL dataset's
-`--label_key reward_model.ground_truth`), data_source the row's data_source. extra_info is {}:
-dataset columns other than the prompt, label and data source do not travel with a sample. Of a dict
+`--label_key reward_model.ground_truth`), data_source the row's data_source, extra_info the row's
+`extra_info` column (a dict, as veRL's data preparation writes it; {} for a row without one). Of a dict
 answer, "score" is the reward and every other key whose values are numbers (or bools) in all the
 samples of the call becomes a per-sample extra log (reward/<key>); other keys (strings such as
 "pred") are dropped.
@@ -83,7 +83,8 @@ def _answers_to_payload(answers: list, origin: str) -> dict:
 
 
 def as_batch_reward_func(func: Callable, origin: str) -> Callable:
-    """func (a veRL compute_score, either form) as reward_func(queries, prompts, labels, responses, data_sources)."""
+    """func (a veRL compute_score, either form) as reward_func(queries, prompts, labels, responses, data_sources,
+    extra_infos)."""
     form = convention(func)
     if form == "openrlhf":
         raise ValueError(f"{origin} takes neither solution_str nor solution_strs: not veRL's compute_score")
@@ -94,19 +95,20 @@ def as_batch_reward_func(func: Callable, origin: str) -> Callable:
         """The keyword arguments veRL passes, less those the function does not take."""
         return {n: v for n, v in zip(names, values) if n in takes}
 
-    def reward_func(queries, prompts, labels, responses=None, data_sources=None):
+    def reward_func(queries, prompts, labels, responses=None, data_sources=None, extra_infos=None):
         n = len(queries)
         responses = list(responses) if responses is not None else [""] * n
         sources = list(data_sources) if data_sources is not None else [""] * n
+        infos = list(extra_infos) if extra_infos is not None else [{} for _ in range(n)]
         if form == "verl_batch":
-            kwargs = arguments(BATCH, (sources, responses, list(labels), [{} for _ in range(n)]))
+            kwargs = arguments(BATCH, (sources, responses, list(labels), infos))
             answers = asyncio.run(func(**kwargs)) if is_async else func(**kwargs)
             if isinstance(answers, (str, bytes)) or not hasattr(answers, "__len__") or len(answers) != n:
                 raise ValueError(f"{origin} answered {type(answers).__name__} for {n} samples; return one number or "
                                  "dict per sample")
             answers = list(answers)
         else:
-            calls = [arguments(PER_SAMPLE, (s, r, g, {})) for s, r, g in zip(sources, responses, labels)]
+            calls = [arguments(PER_SAMPLE, (s, r, g, i)) for s, r, g, i in zip(sources, responses, labels, infos)]
             if is_async:
                 async def all_samples():
                     return await asyncio.gather(*(func(**kwargs) for kwargs in calls))

@@ -126,6 +126,20 @@ def test_bad_rows_are_skipped_and_logged_or_fatal_when_strict(tmp_path, tokenize
         load_prompts(write_jsonl(tmp_path / "allbad.jsonl", bad[:2]))
 
 
+def test_extra_info_travels_as_json_text_and_a_non_mapping_is_a_bad_row(tmp_path):
+    """veRL data's extra_info column (a dict per row) is kept for reward functions; a row without
+    one has none; one that is not a mapping is skipped like any bad row (fatal with strict)."""
+    path = write_jsonl(tmp_path / "verl.jsonl", [
+        {"prompt": "1+1=", "label": "2", "extra_info": {"split": "train", "index": 0, "question": "1+1"}},
+        {"prompt": "2+2=", "label": "4"},
+        {"prompt": "3+3=", "label": "6", "extra_info": "not a mapping"}])
+    rows = load_prompts(path, shuffle=False)
+    assert [json.loads(r.extra_info) if r.extra_info else None for r in rows] == [
+        {"split": "train", "index": 0, "question": "1+1"}, None]
+    with pytest.raises(DatasetError, match="row 2: extra_info is not a mapping"):
+        load_prompts(path, strict=True)
+
+
 def test_no_usable_rows_and_bad_bytes_name_the_file_line_and_key(tmp_path, tokenizer):
     wrong_key = write_jsonl(tmp_path / "wrong_key.jsonl", [{"question": "1+1=", "label": "2"}] * 2)
     with pytest.raises(DatasetError) as err:

@@ -125,7 +125,7 @@ def test_what_cannot_run_here_is_named(args, words):
 VERL_REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     with open({calls!r}, "a") as f:
-        f.write(repr((data_source, ground_truth)) + "\\n")
+        f.write(repr((data_source, ground_truth, extra_info)) + "\\n")
     return {{"score": float(ground_truth in solution_str), "has_digit": any(c.isdigit() for c in solution_str)}}
 '''
 
@@ -150,7 +150,13 @@ def test_a_verl_command_trains_on_verl_data_with_a_verl_reward_file(tiny_model_d
     assert metrics["samples/trained"] == 16 and "reward/has_digit" in metrics
     calls = [eval(line) for line in (tmp_path / "calls.txt").read_text().splitlines()]  # noqa: S307 - our own file
     labels = {str(json.loads(line)["label"]) for line in (tiny_data_dir / "arith_train.jsonl").read_text().splitlines()}
-    assert len(calls) == 16 and all(source == "arith" and truth in labels for source, truth in calls)
+    assert len(calls) == 16 and all(source == "arith" and truth in labels for source, truth, _ in calls)
+    # Each call got its row's extra_info column (veRL's), the row found by its index there.
+    rows = [json.loads(line) for line in (tiny_data_dir / "arith_train.jsonl").read_text().splitlines()]
+    for _, truth, info in calls:
+        assert set(info) == {"split", "index"} and info["split"] == "train", info
+        assert str(rows[info["index"]]["label"]) == truth, (info, truth)
+    assert len({info["index"] for _, _, info in calls}) == 4  # the step's 4 prompts, 4 samples each
     assert (tmp_path / "ckpt" / "final").is_dir()  # the final model, under trainer.default_local_dir
 
 

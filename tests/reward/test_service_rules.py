@@ -186,3 +186,38 @@ def test_batch_metrics_of_a_function_file_travel_over_grpc(tmp_path):
         inner.stop()
         if outer is not None:
             outer.stop()
+
+
+VERL_EXTRA_INFO_FILE = '''
+def compute_score(data_sources, solution_strs, ground_truths, extra_infos, **kwargs):
+    return [float(info.get("index", -1)) + (5.0 if info.get("split") == "test" else 0.0) for info in extra_infos]
+'''
+
+
+def test_extra_info_reaches_a_verl_reward_file_and_bad_json_is_refused(tmp_path):
+    """Each sample's extra_info (veRL data's column) arrives as the row's dict, also through a reward
+    service that calls another over grpc://; a row without one gets {}; text that is not a JSON
+    object is INVALID_ARGUMENT naming the field and the sample, and the service serves on."""
+    path = tmp_path / "verl_reward.py"
+    path.write_text(VERL_EXTRA_INFO_FILE)
+    inner = start_reward_service(tmp_path, "--remote_rm_url", str(path), "--remote_rm_batch_size", "2")
+    outer = None
+    try:
+        outer = start_reward_service(tmp_path, "--remote_rm_url", f"grpc://{inner.address}")
+        infos = ['{"split": "train", "index": 3}', "", '{"split": "test", "index": 1, "question": "1+1"}']
+        batch = ScoreBatch.from_texts(["q"] * 3, ["a", "b", "c"], ["1"] * 3, extra_infos=infos)
+        for address in (inner.address, outer.address):
+            np.testing.assert_array_equal(score(address, batch).rewards, [3.0, -1.0, 6.0])
+        for bad, problem in (('{"index": 3', "is not JSON"), ("[1, 2]", "is JSON of a list, not an object")):
+            wrong = ScoreBatch.from_texts(["q"] * 2, ["a", "b"], ["1"] * 2, sample_ids=["s0", "s1"],
+                                          extra_infos=['{"index": 0}', bad])
+            with pytest.raises(grpc.RpcError) as err:
+                score(inner.address, wrong)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+            assert 'extra_info of sample 1 (id "s1")' in err.value.details() and problem in err.value.details()
+            assert "JSON text of an object" in err.value.details()
+        np.testing.assert_array_equal(score(inner.address, batch).rewards, [3.0, -1.0, 6.0])  # still serving
+    finally:
+        inner.stop()
+        if outer is not None:
+            outer.stop()

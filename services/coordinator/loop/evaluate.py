@@ -114,7 +114,7 @@ async def evaluate(pool: RolloutPool, score, prompts: list[Prompt], n: int, samp
             queries=queries, prompts=[p.text for p, _ in batch],
             responses=[s.text for _, s in batch], labels=[p.label for p, _ in batch],
             sample_ids=[f"{p.uid}/{s.sample_index}" for p, s in batch],
-            data_sources=[p.datasource for p, _ in batch]))
+            data_sources=[p.datasource for p, _ in batch], extra_infos=[p.extra_info for p, _ in batch]))
         for i, (prompt, sample) in enumerate(batch):
             extra = {k: float(v[i]) for k, v in scored.extra.items()}
             verdicts[prompt.uid].append(is_correct(float(scored.rewards[i]), extra, pass_reward))
@@ -252,7 +252,8 @@ def _episode_batch(episodes: list[tuple[Prompt, object]], tokenizer, decoder: Qu
                else [p.text + text for (p, _), text in zip(episodes, responses)])
     return ScoreBatch(queries=queries, prompts=[p.text for p, _ in episodes], responses=responses,
                       labels=[p.label for p, _ in episodes], sample_ids=[f"{p.uid}/{o.index}" for p, o in episodes],
-                      data_sources=[p.datasource for p, _ in episodes])
+                      data_sources=[p.datasource for p, _ in episodes],
+                      extra_infos=[p.extra_info for p, _ in episodes])
 
 
 def load_eval_prompts(paths: str, tokenizer, input_key: str, label_key: str, apply_chat_template: bool,
@@ -262,5 +263,5 @@ def load_eval_prompts(paths: str, tokenizer, input_key: str, label_key: str, app
                         apply_chat_template=apply_chat_template, input_template=input_template or None,
                         max_len=prompt_max_len, max_samples=max_samples, seed=seed, shuffle=False)
     encoded = tokenizer([r.prompt for r in rows], add_special_tokens=not apply_chat_template)["input_ids"]
-    return [Prompt(f"{r.datasource}-{r.index}", r.prompt, tuple(ids), r.label, r.datasource)
+    return [Prompt(f"{r.datasource}-{r.index}", r.prompt, tuple(ids), r.label, r.datasource, r.extra_info)
             for r, ids in zip(rows, encoded)]

@@ -50,7 +50,8 @@ class SampleCalls:
         batch = ScoreBatch(queries=queries, prompts=[s.prompt.text for s in samples],
                            responses=[s.text for s in samples], labels=[s.prompt.label for s in samples],
                            sample_ids=[s.sample_id for s in samples],
-                           data_sources=[s.prompt.datasource for s in samples])
+                           data_sources=[s.prompt.datasource for s in samples],
+                           extra_infos=[s.prompt.extra_info for s in samples])
         # One id per (run, step, micro-batch): a batch sent again is answered once by the reward service.
         request_id = f"{self.run_id}/step{self.step}/{samples[0].sample_id}+{len(samples)}"
         result = await self._timed("score", self.rewards.call(lambda c: c.score(batch, request_id=request_id)))

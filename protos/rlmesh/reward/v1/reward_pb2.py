@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rlmesh.common.v1 import common_pb2 as rlmesh_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1drlmesh/reward/v1/reward.proto\x12\x10rlmesh.reward.v1\x1a\x1drlmesh/common/v1/common.proto\"p\n\x06Sample\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x10\n\x08response\x18\x03 \x01(\t\x12\r\n\x05query\x18\x04 \x01(\t\x12\r\n\x05label\x18\x05 \x01(\t\x12\x13\n\x0b\x64\x61ta_source\x18\x06 \x01(\t\"\xc3\x01\n\x0cScoreRequest\x12)\n\x07samples\x18\x01 \x03(\x0b\x32\x18.rlmesh.reward.v1.Sample\x12\x38\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x1e.rlmesh.common.v1.RaggedTensor\x12:\n\x12response_token_ids\x18\x03 \x01(\x0b\x32\x1e.rlmesh.common.v1.RaggedTensor\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"\xbf\x03\n\rScoreResponse\x12)\n\x07rewards\x18\x01 \x01(\x0b\x32\x18.rlmesh.common.v1.Tensor\x12(\n\x06scores\x18\x02 \x01(\x0b\x32\x18.rlmesh.common.v1.Tensor\x12H\n\rextra_metrics\x18\x03 \x03(\x0b\x32\x31.rlmesh.reward.v1.ScoreResponse.ExtraMetricsEntry\x12\x12\n\nsample_ids\x18\x04 \x03(\t\x12\x0e\n\x06source\x18\x05 \x01(\t\x12H\n\rbatch_metrics\x18\x06 \x03(\x0b\x32\x31.rlmesh.reward.v1.ScoreResponse.BatchMetricsEntry\x1aM\n\x11\x45xtraMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\'\n\x05value\x18\x02 \x01(\x0b\x32\x18.rlmesh.common.v1.Tensor:\x02\x38\x01\x1aR\n\x11\x42\x61tchMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12,\n\x05value\x18\x02 \x01(\x0b\x32\x1d.rlmesh.reward.v1.BatchMetric:\x02\x38\x01\"4\n\x0b\x42\x61tchMetric\x12\x14\n\x0cweighted_sum\x18\x01 \x01(\x01\x12\x0f\n\x07samples\x18\x02 \x01(\x03\"\x16\n\x14GetRewardInfoRequest\"\x96\x01\n\x15GetRewardInfoResponse\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0frequires_labels\x18\x03 \x01(\x08\x12\x1a\n\x12requires_token_ids\x18\x04 \x01(\x08\x12\x10\n\x08\x63lip_low\x18\x05 \x01(\x02\x12\x11\n\tclip_high\x18\x06 \x01(\x02\x32\xbb\x01\n\rRewardService\x12H\n\x05Score\x12\x1e.rlmesh.reward.v1.ScoreRequest\x1a\x1f.rlmesh.reward.v1.ScoreResponse\x12`\n\rGetRewardInfo\x12&.rlmesh.reward.v1.GetRewardInfoRequest\x1a\'.rlmesh.reward.v1.GetRewardInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1drlmesh/reward/v1/reward.proto\x12\x10rlmesh.reward.v1\x1a\x1drlmesh/common/v1/common.proto\"\x84\x01\n\x06Sample\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x10\n\x08response\x18\x03 \x01(\t\x12\r\n\x05query\x18\x04 \x01(\t\x12\r\n\x05label\x18\x05 \x01(\t\x12\x13\n\x0b\x64\x61ta_source\x18\x06 \x01(\t\x12\x12\n\nextra_info\x18\x07 \x01(\t\"\xc3\x01\n\x0cScoreRequest\x12)\n\x07samples\x18\x01 \x03(\x0b\x32\x18.rlmesh.reward.v1.Sample\x12\x38\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x1e.rlmesh.common.v1.RaggedTensor\x12:\n\x12response_token_ids\x18\x03 \x01(\x0b\x32\x1e.rlmesh.common.v1.RaggedTensor\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"\xbf\x03\n\rScoreResponse\x12)\n\x07rewards\x18\x01 \x01(\x0b\x32\x18.rlmesh.common.v1.Tensor\x12(\n\x06scores\x18\x02 \x01(\x0b\x32\x18.rlmesh.common.v1.Tensor\x12H\n\rextra_metrics\x18\x03 \x03(\x0b\x32\x31.rlmesh.reward.v1.ScoreResponse.ExtraMetricsEntry\x12\x12\n\nsample_ids\x18\x04 \x03(\t\x12\x0e\n\x06source\x18\x05 \x01(\t\x12H\n\rbatch_metrics\x18\x06 \x03(\x0b\x32\x31.rlmesh.reward.v1.ScoreResponse.BatchMetricsEntry\x1aM\n\x11\x45xtraMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\'\n\x05value\x18\x02 \x01(\x0b\x32\x18.rlmesh.common.v1.Tensor:\x02\x38\x01\x1aR\n\x11\x42\x61tchMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12,\n\x05value\x18\x02 \x01(\x0b\x32\x1d.rlmesh.reward.v1.BatchMetric:\x02\x38\x01\"4\n\x0b\x42\x61tchMetric\x12\x14\n\x0cweighted_sum\x18\x01 \x01(\x01\x12\x0f\n\x07samples\x18\x02 \x01(\x03\"\x16\n\x14GetRewardInfoRequest\"\x96\x01\n\x15GetRewardInfoResponse\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0frequires_labels\x18\x03 \x01(\x08\x12\x1a\n\x12requires_token_ids\x18\x04 \x01(\x08\x12\x10\n\x08\x63lip_low\x18\x05 \x01(\x02\x12\x11\n\tclip_high\x18\x06 \x01(\x02\x32\xbb\x01\n\rRewardService\x12H\n\x05Score\x12\x1e.rlmesh.reward.v1.ScoreRequest\x1a\x1f.rlmesh.reward.v1.ScoreResponse\x12`\n\rGetRewardInfo\x12&.rlmesh.reward.v1.GetRewardInfoRequest\x1a\'.rlmesh.reward.v1.GetRewardInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,22 +36,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCORERESPONSE_EXTRAMETRICSENTRY']._serialized_options = b'8\001'
   _globals['_SCORERESPONSE_BATCHMETRICSENTRY']._loaded_options = None
   _globals['_SCORERESPONSE_BATCHMETRICSENTRY']._serialized_options = b'8\001'
-  _globals['_SAMPLE']._serialized_start=82
-  _globals['_SAMPLE']._serialized_end=194
-  _globals['_SCOREREQUEST']._serialized_start=197
-  _globals['_SCOREREQUEST']._serialized_end=392
-  _globals['_SCORERESPONSE']._serialized_start=395
-  _globals['_SCORERESPONSE']._serialized_end=842
-  _globals['_SCORERESPONSE_EXTRAMETRICSENTRY']._serialized_start=681
-  _globals['_SCORERESPONSE_EXTRAMETRICSENTRY']._serialized_end=758
-  _globals['_SCORERESPONSE_BATCHMETRICSENTRY']._serialized_start=760
-  _globals['_SCORERESPONSE_BATCHMETRICSENTRY']._serialized_end=842
-  _globals['_BATCHMETRIC']._serialized_start=844
-  _globals['_BATCHMETRIC']._serialized_end=896
-  _globals['_GETREWARDINFOREQUEST']._serialized_start=898
-  _globals['_GETREWARDINFOREQUEST']._serialized_end=920
-  _globals['_GETREWARDINFORESPONSE']._serialized_start=923
-  _globals['_GETREWARDINFORESPONSE']._serialized_end=1073
-  _globals['_REWARDSERVICE']._serialized_start=1076
-  _globals['_REWARDSERVICE']._serialized_end=1263
+  _globals['_SAMPLE']._serialized_start=83
+  _globals['_SAMPLE']._serialized_end=215
+  _globals['_SCOREREQUEST']._serialized_start=218
+  _globals['_SCOREREQUEST']._serialized_end=413
+  _globals['_SCORERESPONSE']._serialized_start=416
+  _globals['_SCORERESPONSE']._serialized_end=863
+  _globals['_SCORERESPONSE_EXTRAMETRICSENTRY']._serialized_start=702
+  _globals['_SCORERESPONSE_EXTRAMETRICSENTRY']._serialized_end=779
+  _globals['_SCORERESPONSE_BATCHMETRICSENTRY']._serialized_start=781
+  _globals['_SCORERESPONSE_BATCHMETRICSENTRY']._serialized_end=863
+  _globals['_BATCHMETRIC']._serialized_start=865
+  _globals['_BATCHMETRIC']._serialized_end=917
+  _globals['_GETREWARDINFOREQUEST']._serialized_start=919
+  _globals['_GETREWARDINFOREQUEST']._serialized_end=941
+  _globals['_GETREWARDINFORESPONSE']._serialized_start=944
+  _globals['_GETREWARDINFORESPONSE']._serialized_end=1094
+  _globals['_REWARDSERVICE']._serialized_start=1097
+  _globals['_REWARDSERVICE']._serialized_end=1284
 # @@protoc_insertion_point(module_scope)

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Sample(_message.Message):
-    __slots__ = ("sample_id", "prompt", "response", "query", "label", "data_source")
+    __slots__ = ("sample_id", "prompt", "response", "query", "label", "data_source", "extra_info")
     SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     QUERY_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
     DATA_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_INFO_FIELD_NUMBER: _ClassVar[int]
     sample_id: str
     prompt: str
     response: str
     query: str
     label: str
     data_source: str
-    def __init__(self, sample_id: _Optional[str] = ..., prompt: _Optional[str] = ..., response: _Optional[str] = ..., query: _Optional[str] = ..., label: _Optional[str] = ..., data_source: _Optional[str] = ...) -> None: ...
+    extra_info: str
+    def __init__(self, sample_id: _Optional[str] = ..., prompt: _Optional[str] = ..., response: _Optional[str] = ..., query: _Optional[str] = ..., label: _Optional[str] = ..., data_source: _Optional[str] = ..., extra_info: _Optional[str] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
     __slots__ = ("samples", "prompt_token_ids", "response_token_ids", "request_id")
