@@ -15,7 +15,8 @@ _ANSWER = re.compile(r"\\boxed\{([^{}]*)\}")
 def reward_func(queries, prompts, labels, **kwargs):
     """queries: full texts (prompt + response); prompts: the prompts; labels: reference answers.
 
-    kwargs also holds `responses`, `sample_ids` and `data_sources` (lists like the others).
+    kwargs also holds `responses`, `sample_ids`, `data_sources` and `extra_infos` (lists like the
+    others; extra_infos holds each row's extra_info dict, {} for a row without one).
     """
     responses = kwargs["responses"]
     rewards, boxed = [], []
