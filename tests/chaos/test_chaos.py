@@ -30,9 +30,11 @@ def test_rollout_reward_and_learner_deaths_change_nothing(baseline, tiny_model_d
     assert restarted == ["learner", "reward-ref-0", "rollout-0"], trial.events
     assert trial.count("rollout.admitted") >= 1
     # The learner died during step 3 with --save_steps 1: back to the step-2 checkpoint, nothing redone
-    # beyond the step that was under way.
+    # beyond the step that was under way. On a loaded machine the kill can land just after step 3
+    # (its checkpoint saved) and before the final export: the restarted learner loads step 3's
+    # checkpoint and the export is done again, nothing redone.
     rewinds = [e for e in trial.events if e["event"] == "learner.rewound"]
-    assert [(e["from_step"], e["to_step"]) for e in rewinds] == [(2, 2)], rewinds
+    assert [(e["from_step"], e["to_step"]) for e in rewinds] in ([(2, 2)], [(3, 3)]), rewinds
     assert differences(base, trial) == []
     assert model_difference(base_out / "model", tmp_path / "model") < 1e-6
     metrics = (tmp_path / "run" / "events.jsonl").read_text()

@@ -395,7 +395,6 @@ class Trainer:
         return {"time/checkpoint_s": time.monotonic() - t0}
 
     async def run(self) -> None:
-        cfg = self.config
         c = self.control
         c.state = cpb.RUN_STATE_RUNNING
         step = self.state.global_step
@@ -404,14 +403,31 @@ class Trainer:
             self.metrics.log(0, await self.evaluate_step(0))
             c.set_phase(cpb.PHASE_IDLE)
         while True:
+            step = await self._steps(step)
+            try:
+                await self._finish(step)
+                return
+            except Exception as exc:  # noqa: BLE001 - e.g. the learner died before the export
+                if self.recovery is None or c.stop_requested:
+                    raise
+                # As in a step: the learner restarts from its newest checkpoint (the steps since are
+                # done again), then the end of the run is tried again.
+                step = await self.recovery.recover(exc, step)
+                c.state = cpb.RUN_STATE_RUNNING
+
+    async def _steps(self, step: int) -> int:
+        """Trains steps from `step` until the last one (or a stop); returns the last step done."""
+        cfg = self.config
+        c = self.control
+        while True:
             await c.wait_while_paused()
             if c.stop_requested or (cfg.max_steps and step >= cfg.max_steps):
-                break
+                return step
             try:
                 steps = self if self.async_steps is None else self.async_steps
                 metrics = await steps.train_step(step + 1)
                 if metrics is None:
-                    break
+                    return step
                 saving = ((cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0)
                           or (c.stop_requested and c.stop_checkpoint))
                 if saving and not cfg.disable_ds_ckpt:
@@ -440,6 +456,11 @@ class Trainer:
                 log_event(_log, "step.done", step=step, reward=f"{metrics['reward/mean']:.4f}",
                           kl=f"{metrics.get('kl/mean', 0.0):.5f}", step_s=f"{metrics['time/step_s']:.2f}",
                           version=self.state.weight_version)
+
+    async def _finish(self, step: int) -> None:
+        """The end of the run after step `step`: a last evaluation and checkpoint when due, the export."""
+        cfg = self.config
+        c = self.control
         c.state = cpb.RUN_STATE_STOPPING
         if self.eval_prompts and step > 0 and step != self.last_eval_step and not c.stop_requested:
             # The data ran out before the planned last step (dynamic filtering refills use prompts up).
