@@ -56,29 +56,26 @@ def batch_from_request(request: reward_pb2.ScoreRequest) -> ScoreBatch:
         if seqs and seqs[0].is_floating_point():
             raise invalid_argument(field, None, f"has dtype {seqs[0].dtype}", "send INT32 or INT64 token ids")
         token_ids[field] = seqs
-    extra_infos = None
-    if any(s.extra_info for s in samples):
-        extra_infos = [s.extra_info for s in samples]
-        for i, text in enumerate(extra_infos):
-            if not text:
-                continue
-            try:
-                value = json.loads(text)
-            except ValueError as exc:
-                value, problem = None, f"is not JSON ({exc})"
-            else:
-                problem = f"is JSON of a {type(value).__name__}, not an object"
-            if not isinstance(value, dict):
-                sid = samples[i].sample_id
-                raise invalid_argument("extra_info", f'sample {i}' + (f' (id "{sid}")' if sid else ""), problem,
-                                       "send the row's extra_info as JSON text of an object, or leave it empty")
-    return ScoreBatch(
+    batch = ScoreBatch(
         queries=[s.query or s.prompt + s.response for s in samples],
         prompts=[s.prompt for s in samples], responses=[s.response for s in samples],
         labels=[s.label for s in samples], sample_ids=[s.sample_id for s in samples],
         data_sources=[s.data_source for s in samples],
         prompt_token_ids=token_ids["prompt_token_ids"], response_token_ids=token_ids["response_token_ids"],
-        extra_infos=extra_infos)
+        extra_infos=[s.extra_info for s in samples] if any(s.extra_info for s in samples) else None)
+    for i, text in enumerate(batch.extra_infos or ()):
+        if not text:
+            continue
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            value, problem = None, f"is not JSON ({exc})"
+        else:
+            problem = f"is JSON of a {type(value).__name__}, not an object"
+        if not isinstance(value, dict):
+            raise invalid_argument("extra_info", batch.describe(i), problem,
+                                   "send the row's extra_info as JSON text of an object, or leave it empty")
+    return batch
 
 
 # A Score answers this long before its caller's deadline, so that the caller reads the reason
