@@ -43,7 +43,7 @@ def pytest_collection_modifyitems(config, items):
 SHARED_FIXTURES = {"quickstart_run": "quickstart", "baseline": "chaos-baseline",
                    "vllm_rollout": "rollout-services", "hf_rollout": "rollout-services"}
 # Modules that start Ray (a local instance or a cluster of loopback nodes): one at a time, on one worker.
-RAY_MODULES = ("tests/coordinator/test_ray.py", "tests/chaos/test_ray_chaos.py",
+RAY_MODULES = ("tests/chaos/test_ray_chaos.py", "tests/coordinator/test_ray_placement_wait.py",
                "tests/coordinator/test_ray_multinode.py")
 # Groups that take minutes go out first, so that no long one starts last (measured on 2 cores).
 LONG_GROUPS = ("ray", "chaos-baseline", "quickstart", "tests/chaos/test_learner_ranks.py",

@@ -35,7 +35,7 @@ import socket
 import warnings
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from services.common.log import get_logger, log_event
@@ -449,18 +449,9 @@ class RayPlacement:
             log_event(_log, "ray.bundle_vacated", service=name, roles=",".join(p.spec.roles))
 
     async def _placed_on(self, p: Placed) -> str:
-        """The node of the instance's actor, once Ray placed it; bounded by --ray_placement_timeout_s
-        (a bundle whose node was lost waits for a node with room, or for one that joins)."""
-        timeout = self.cfg.ray_placement_timeout_s
-        try:
-            return await asyncio.wait_for(p.actor.node_ip.remote(), timeout)
-        except asyncio.TimeoutError:
-            group, _ = p.bundles[0]
-            raise ServiceStartError(
-                f"{p.spec.name}: no node took its bundle ({_describe([group.bundle_specs[p.bundles[0][1]]])} of "
-                f"{self.group_roles.get(id(group), 'its group')}) within --ray_placement_timeout_s {timeout:.0f} s; "
-                f"{cluster_summary()}. Its node was lost or is full: add a node (`ray start --address HEAD:6379`), "
-                "then resume with --load_checkpoint") from None
+        group, index = p.bundles[0]
+        return await actor_node(p.actor, group, index, p.spec.name, self.group_roles.get(id(group), "its group"),
+                                self.cfg.ray_placement_timeout_s, self.cfg.service_start_timeout_s)
 
     async def _start_one(self, p: Placed, wait: bool, env: dict | None = None) -> None:
         await self._placed_on(p)
@@ -575,6 +566,45 @@ def _describe(bundles: list[dict]) -> str:
     shape = next(iter(kinds)) if len(kinds) == 1 else "mixed bundles"
     return (f"{len(bundles)} bundle(s) of {shape} ("
             + ", ".join(f"{v:g} {k}" for k, v in sorted(total.items())) + " in all)")
+
+
+async def actor_node(actor, group, index: int, name: str, group_role: str, placement_timeout_s: float,
+                     start_timeout_s: float) -> str:
+    """The node of an instance's actor, once Ray placed it and its process runs. A bundle without a
+    live node (its node was lost, or the cluster is full) may wait placement_timeout_s for one; an
+    actor whose bundle has a node may take start_timeout_s to start its process (a loaded node starts
+    its worker processes one at a time)."""
+    call = asyncio.ensure_future(actor.node_ip.remote())
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + start_timeout_s
+    unplaced_since = None
+    while True:
+        done, _ = await asyncio.wait([call], timeout=1.0)
+        if done:
+            return call.result()
+        now = loop.time()
+        unplaced_since = None if bundle_has_live_node(group, index) else (unplaced_since or now)
+        if unplaced_since is not None and now - unplaced_since >= placement_timeout_s:
+            call.cancel()
+            raise ServiceStartError(
+                f"{name}: no node took its bundle ({_describe([group.bundle_specs[index]])} of {group_role}) within "
+                f"--ray_placement_timeout_s {placement_timeout_s:.0f} s; {cluster_summary()}. Its node was lost or "
+                "is full: add a node (`ray start --address HEAD:6379`), then resume with --load_checkpoint")
+        if now >= give_up:
+            call.cancel()
+            raise ServiceStartError(
+                f"{name}: its Ray actor did not start within --service_start_timeout_s {start_timeout_s:.0f} s "
+                "though its bundle has a node; `ray status` and the node's raylet log "
+                "(/tmp/ray/session_latest/logs) say why")
+
+
+def bundle_has_live_node(group, index: int) -> bool:
+    """Whether the placement group's bundle is reserved on a node that is alive now (a group whose node
+    was lost is RESCHEDULING until another node takes the bundle)."""
+    table = placement_group_table(group)
+    node = table.get("bundles_to_node_id", {}).get(index)
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    return table.get("state") == "CREATED" and node in alive
 
 
 def cluster_summary() -> str:
