@@ -127,7 +127,12 @@ def test_guide_ppo_each_model_on_its_own_node(cluster, tiny_model_dir, tiny_rewa
     print(f"job (a) took {time.monotonic() - t0:.1f} s")
     assert code == 0 and "succeeded" in output, output[-8000:]
     run = tmp_path / "run"
-    assert [r["global_step"] for r in read_metrics(run)] == [1, 2]
+    records = read_metrics(run)
+    assert [r["global_step"] for r in records] == [1, 2]
+    # Both models trained: gradients flowed and the critic's predictions moved between the steps.
+    for r in records:
+        assert r["critic/value_loss"] > 0 and r["actor/grad_norm"] > 0 and r["critic/grad_norm"] > 0
+    assert abs(records[1]["critic/values_mean"] - records[0]["critic/values_mean"]) > 1e-3
     nodes = nodes_of(run, output)
     roles = {"actor": ["learner", "learner-rank1"], "rollout": ["rollout-0", "rollout-1"],
              "reward": ["reward-0", "reward-1"], "ref": ["ref-0", "ref-1"]}
@@ -165,6 +170,7 @@ def test_guide_hybrid_engine_over_two_nodes(cluster, tiny_model_dir, tiny_data_d
     assert code == 0 and "succeeded" in output, output[-8000:]
     run = tmp_path / "run"
     assert [r["global_step"] for r in read_metrics(run)] == [1, 2]
+    assert "rollout.sleep_unsupported" in output  # the hf engine said so; the run carried on
     nodes = nodes_of(run, output)
     ranks = [nodes["learner"], *(nodes[f"learner-rank{r}"] for r in (1, 2, 3))]
     assert ranks[0] == ranks[1] != ranks[2] == ranks[3], ranks  # two ranks per node, two nodes
