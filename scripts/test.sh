@@ -36,4 +36,9 @@ else
   # default (a thread per core in every process) has them spinning against each other.
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
+# The repository's modules compiled once, cached in __pycache__ (git-ignored): every service process
+# the tests start reads the cache instead of compiling what it imports again, also where
+# the environment sets PYTHONDONTWRITEBYTECODE.
+unset PYTHONDONTWRITEBYTECODE
+.venv/bin/python -m compileall -q services protos tests > /dev/null
 exec .venv/bin/python -m pytest "${targets[@]}" -q -rs --durations=25 "${workers[@]}" ${select[@]+"${select[@]}"} ${order[@]+"${order[@]}"} "$@"
