@@ -19,7 +19,6 @@ the named calls at the end of the Trainer; it reaches nothing else of the loop.
 from __future__ import annotations
 
 import asyncio
-import json
 import pathlib
 import time
 
@@ -34,12 +33,12 @@ from services.common.crash_points import crash_point
 from services.common.client import make_channel
 from services.common.log import get_logger, log_event
 from services.coordinator.config import CoordinatorConfig
-from services.coordinator.loop import checkpoint, learn
+from services.coordinator.loop import learn
 from services.coordinator.loop import metrics as prom
 from services.coordinator.loop.advantages import keep_group, update_kl_coef
 from services.coordinator.loop.agent import AgentRunner
 from services.coordinator.loop.async_loop import AsyncSteps, CollectedStep, admit_fresh
-from services.coordinator.loop.checkpoint import CoordinatorState, config_digest
+from services.coordinator.loop.checkpoint import CoordinatorState
 from services.coordinator.loop.colocation import Colocation
 from services.coordinator.loop.data import Prompt, PromptStream
 from services.coordinator.loop.evaluate import evaluate_during_training
@@ -49,6 +48,7 @@ from services.coordinator.loop.members import Members
 from services.coordinator.loop.metrics import MetricsLog
 from services.coordinator.loop.rollout_pool import RolloutPool
 from services.coordinator.loop.run_state import Endpoints, RunControl, ServiceEntry
+from services.coordinator.loop.resume import RunCheckpoints
 from services.coordinator.loop.sample_calls import SampleCalls
 from services.coordinator.loop.scoring_pool import ScoringPool
 from services.coordinator.loop.step_metrics import step_metrics
@@ -61,7 +61,7 @@ LEARNER_IDEMPOTENT = ("GetInfo", "LogProbs", "Values", "SaveCheckpoint", "LoadCh
                       "Offload", "Reload")
 
 
-class Trainer:
+class Trainer(RunCheckpoints):
     """Runs the loop against services found at `endpoints`."""
 
     def __init__(self, config: CoordinatorConfig, endpoints: Endpoints, control: RunControl, stream: PromptStream,
@@ -171,35 +171,6 @@ class Trainer:
         entries += [ServiceEntry("reference", i, a) for i, a in enumerate(self.endpoints.reference)]
         entries.append(ServiceEntry("learner", 0, self.endpoints.learner))
         return entries
-
-    async def _load_checkpoint(self) -> None:
-        """Continues from the checkpoint `latest` names: the coordinator's state from its
-        coordinator.json, the learner's from the same global_step_N folder."""
-        cfg = self.config
-        saved = checkpoint.load_latest(cfg.ckpt_path)
-        if saved is None:
-            log_event(_log, "resume.no_checkpoint", ckpt_path=cfg.ckpt_path, action="starting from step 0")
-            return
-        path = await self._restore(saved)
-        digest, values = config_digest(cfg)
-        if saved.config_digest and saved.config_digest != digest:
-            changed = {k: (saved.config_values.get(k), v) for k, v in values.items() if saved.config_values.get(k) != v}
-            log_event(_log, "resume.config_changed", changed=json.dumps(changed, default=str))
-        log_event(_log, "resume.loaded", step=saved.global_step, episode=saved.episode,
-                  position=saved.data_position, path=path)
-
-    async def _restore(self, saved: CoordinatorState) -> str:
-        """The learner loads `saved`'s global_step folder and the loop continues from its state;
-        returns the folder the learner loaded."""
-        cfg = self.config
-        reply = await self.learner.LoadCheckpoint(learner_pb2.LoadCheckpointRequest(
-            ckpt_path=cfg.ckpt_path, global_step=saved.global_step), timeout=cfg.rpc_timeout_s)
-        saved.run_dir = self.state.run_dir
-        self.state = saved
-        self.stream.restore(saved.episode, saved.data_position)
-        self.control.global_step, self.control.episode = saved.global_step, saved.episode
-        self.control.last_checkpoint_step = saved.global_step
-        return reply.path
 
     # ------------------------------------------------------------------------------------------
     # Weight push
@@ -374,25 +345,7 @@ class Trainer:
         return metrics
 
     # ------------------------------------------------------------------------------------------
-    # Checkpoints and the loop
-
-    async def save_checkpoint(self, step: int) -> dict:
-        cfg = self.config
-        t0 = time.monotonic()
-        self.control.set_phase(cpb.PHASE_CHECKPOINTING)
-        await self.colocation.reload_learner()
-        self.state.config_digest, self.state.config_values = config_digest(cfg)
-        reply = await self.learner.SaveCheckpoint(learner_pb2.SaveCheckpointRequest(
-            ckpt_path=cfg.ckpt_path, global_step=step, client_state=self.state.to_json().encode(),
-            max_ckpt_num=cfg.max_ckpt_num, request_id=f"step{step}"), timeout=cfg.rpc_timeout_s)
-        if cfg.save_hf_ckpt:
-            await self.learner.ExportHF(learner_pb2.ExportHFRequest(output_dir=f"{reply.path.rstrip('/')}_hf"),
-                                        timeout=cfg.rpc_timeout_s)
-        # The learner's files are complete (its marker is in place): coordinator.json, then `latest`.
-        checkpoint.commit(cfg.ckpt_path, self.state, cfg.max_ckpt_num)
-        self.control.last_checkpoint_step = step
-        log_event(_log, "checkpoint.saved", step=step, path=reply.path, removed=",".join(reply.removed))
-        return {"time/checkpoint_s": time.monotonic() - t0}
+    # The loop (saving, resuming and rewinding: resume.py)
 
     async def run(self) -> None:
         c = self.control
@@ -534,25 +487,3 @@ class Trainer:
         if address == self.endpoints.learner and self.learner_channel is not None:
             return  # static placement: the same address again
         asyncio.ensure_future(self.connect_learner(address).close())
-
-    async def rewind(self) -> int | None:
-        """A restarted learner: it loads the newest complete checkpoint (none: it keeps --pretrain's
-        weights and the run starts over) and the loop goes back to that step. Returns the
-        checkpoint's step, or None when there was none."""
-        cfg = self.config
-        self.colocation.learner_offloaded = False
-        await self.refresh_learner_info()
-        saved = None if cfg.disable_ds_ckpt else checkpoint.load_latest(cfg.ckpt_path)
-        version = self.state.weight_version
-        if saved is not None:
-            await self._restore(saved)
-        else:
-            self.state = checkpoint.new_state(cfg, self.state.run_dir)
-            self.stream.restore(self.state.episode, self.state.data_position)
-            self.control.global_step, self.control.episode = 0, self.state.episode
-            self.control.last_checkpoint_step = 0
-        self.state.weight_version = max(self.state.weight_version, version)  # versions only grow
-        self.trained_step = self.state.global_step
-        if self.metrics is not None:
-            self.metrics.rewind(self.state.global_step)
-        return None if saved is None else saved.global_step
