@@ -1,4 +1,4 @@
-"""How long the coordinator waits for a Ray actor (services/coordinator/fleet/ray_placement.py
+"""How long the coordinator waits for a Ray actor (services/coordinator/fleet/ray_cluster.py
 actor_node), on a local Ray instance: a bundle that no node holds is given up after
 --ray_placement_timeout_s with the cluster's resources; an actor whose bundle has a node but whose
 process starts slowly (a loaded node starts its worker processes one at a time) is waited for up to
@@ -15,7 +15,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from services.coordinator.fleet.launcher import ServiceStartError
-from services.coordinator.fleet.ray_placement import actor_node
+from services.coordinator.fleet.ray_cluster import actor_node
 
 
 @pytest.fixture(scope="module")

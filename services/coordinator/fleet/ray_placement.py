@@ -35,7 +35,7 @@ import socket
 import warnings
 
 import ray
-from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from services.common.log import get_logger, log_event
@@ -45,11 +45,13 @@ from services.coordinator.config import CoordinatorConfig
 from services.coordinator.fleet.launcher import ServiceStartError, log_tail, spawn_service, wait_until_ready
 from services.coordinator.fleet.placement import (Endpoints, ServiceSpec, learner_argv, reward_argv, role_instances,
                                             rollout_argv, scaled_spec)
+from services.coordinator.fleet.ray_cluster import actor_node, cluster_summary, describe_bundles, live_node_ips
 
 _log = get_logger("coordinator")
 # Set on the driver, they reach every service on every node (the guide sets them before `ray start`;
 # a job's driver may also carry them): interfaces and InfiniBand devices of NCCL and gloo.
 FORWARDED_ENV = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_IB_DISABLE", "GLOO_SOCKET_IFNAME", "NCCL_DEBUG")
+ACTOR_ANSWER_S = 30.0  # a health check or stop of a service's actor; a lost node's actors may never answer
 TARGETS_FILE = "prometheus_targets.json"  # Prometheus file_sd: every instance's metrics port, kept current
 
 
@@ -187,7 +189,7 @@ class RayPlacement:
         try:
             await asyncio.wait_for(asyncio.gather(*(ready(g) for g in self.groups)), timeout)
         except asyncio.TimeoutError:
-            asked = "; ".join(f"{self.group_roles[key]} asks for {_describe(g.bundle_specs)}"
+            asked = "; ".join(f"{self.group_roles[key]} asks for {describe_bundles(g.bundle_specs)}"
                               for key, g in pending.items())
             raise RuntimeError(f"the Ray cluster cannot hold this job: {asked}; {cluster_summary()}; waited "
                                f"--ray_placement_timeout_s {timeout:.0f} s. Add nodes (`ray start --address HEAD:6379 "
@@ -337,9 +339,14 @@ class RayPlacement:
         """None while the service (every rank of the learner) runs; else how it ended."""
         for p in self._members(name):
             try:
-                code = await p.actor.exit_code.remote()
+                code = await asyncio.wait_for(p.actor.exit_code.remote(), ACTOR_ANSWER_S)
             except ray.exceptions.RayActorError as exc:
                 return f"its Ray actor died ({type(exc).__name__})"
+            except asyncio.TimeoutError:
+                # No answer: a lost node (Ray declares it dead after its health checks fail) or a busy one.
+                if p.node_ip and p.node_ip not in live_node_ips():
+                    return f"its node {p.node_ip} was lost"
+                continue
             if code is not None:
                 return f"{p.spec.name} exit code {code}"
         return None
@@ -356,9 +363,11 @@ class RayPlacement:
         members = self._members(name)
         for p in members:
             try:
-                await p.actor.stop.remote(5.0)
-            except ray.exceptions.RayActorError as exc:
-                # Its bundle is free again once Ray has seen the actor die: a new actor takes it.
+                await asyncio.wait_for(p.actor.stop.remote(5.0), ACTOR_ANSWER_S)
+            except (ray.exceptions.RayActorError, asyncio.TimeoutError) as exc:
+                # Its bundle is free again once Ray has seen the actor die (a lost node's bundles move to
+                # a node with room, or wait for one): a new actor takes it.
+                ray.kill(p.actor)
                 self._make_actor(p)
                 log_event(_log, "ray.actor_replaced", service=p.spec.name, why=type(exc).__name__)
         if name == "learner":
@@ -554,64 +563,3 @@ class RayPlacement:
 def forwarded_env() -> dict[str, str]:
     """The driver's networking settings that every service on every node gets (FORWARDED_ENV)."""
     return {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-
-
-def _describe(bundles: list[dict]) -> str:
-    """[{GPU: 1, CPU: 0.1}] x 4 -> '4 bundles of {GPU: 1, CPU: 0.1} (4 GPU, 0.4 CPU in all)'."""
-    total: dict[str, float] = {}
-    for b in bundles:
-        for k, v in b.items():
-            total[k] = total.get(k, 0) + v
-    kinds = {json.dumps(b, sort_keys=True) for b in bundles}
-    shape = next(iter(kinds)) if len(kinds) == 1 else "mixed bundles"
-    return (f"{len(bundles)} bundle(s) of {shape} ("
-            + ", ".join(f"{v:g} {k}" for k, v in sorted(total.items())) + " in all)")
-
-
-async def actor_node(actor, group, index: int, name: str, group_role: str, placement_timeout_s: float,
-                     start_timeout_s: float) -> str:
-    """The node of an instance's actor, once Ray placed it and its process runs. A bundle without a
-    live node (its node was lost, or the cluster is full) may wait placement_timeout_s for one; an
-    actor whose bundle has a node may take start_timeout_s to start its process (a loaded node starts
-    its worker processes one at a time)."""
-    call = asyncio.ensure_future(actor.node_ip.remote())
-    loop = asyncio.get_running_loop()
-    give_up = loop.time() + start_timeout_s
-    unplaced_since = None
-    while True:
-        done, _ = await asyncio.wait([call], timeout=1.0)
-        if done:
-            return call.result()
-        now = loop.time()
-        unplaced_since = None if bundle_has_live_node(group, index) else (unplaced_since or now)
-        if unplaced_since is not None and now - unplaced_since >= placement_timeout_s:
-            call.cancel()
-            raise ServiceStartError(
-                f"{name}: no node took its bundle ({_describe([group.bundle_specs[index]])} of {group_role}) within "
-                f"--ray_placement_timeout_s {placement_timeout_s:.0f} s; {cluster_summary()}. Its node was lost or "
-                "is full: add a node (`ray start --address HEAD:6379`), then resume with --load_checkpoint")
-        if now >= give_up:
-            call.cancel()
-            raise ServiceStartError(
-                f"{name}: its Ray actor did not start within --service_start_timeout_s {start_timeout_s:.0f} s "
-                "though its bundle has a node; `ray status` and the node's raylet log "
-                "(/tmp/ray/session_latest/logs) say why")
-
-
-def bundle_has_live_node(group, index: int) -> bool:
-    """Whether the placement group's bundle is reserved on a node that is alive now (a group whose node
-    was lost is RESCHEDULING until another node takes the bundle)."""
-    table = placement_group_table(group)
-    node = table.get("bundles_to_node_id", {}).get(index)
-    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-    return table.get("state") == "CREATED" and node in alive
-
-
-def cluster_summary() -> str:
-    """What the cluster has: GPUs and CPUs in all, free now, and per live node."""
-    total, free = ray.cluster_resources(), ray.available_resources()
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    per_node = ", ".join(f"{n['NodeManagerAddress']}: {n['Resources'].get('GPU', 0):g} GPU / "
-                         f"{n['Resources'].get('CPU', 0):g} CPU" for n in nodes)
-    return (f"the cluster has {len(nodes)} live node(s) with {total.get('GPU', 0):g} GPU and {total.get('CPU', 0):g} "
-            f"CPU in all, {free.get('GPU', 0):g} GPU and {free.get('CPU', 0):g} CPU free ({per_node})")

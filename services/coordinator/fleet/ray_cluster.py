@@ -1,0 +1,78 @@
+"""What the Ray cluster holds, as the coordinator's placement asks it: the live nodes, whether a
+placement group's bundle has one, the wait for a service's actor to run (bounded apart for a bundle
+without a node and for an actor slow to start), and the resources named in errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import ray
+from ray.util.placement_group import placement_group_table
+
+from services.coordinator.fleet.launcher import ServiceStartError
+
+
+def describe_bundles(bundles: list[dict]) -> str:
+    """[{GPU: 1, CPU: 0.1}] x 4 -> '4 bundles of {GPU: 1, CPU: 0.1} (4 GPU, 0.4 CPU in all)'."""
+    total: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            total[k] = total.get(k, 0) + v
+    kinds = {json.dumps(b, sort_keys=True) for b in bundles}
+    shape = next(iter(kinds)) if len(kinds) == 1 else "mixed bundles"
+    return (f"{len(bundles)} bundle(s) of {shape} ("
+            + ", ".join(f"{v:g} {k}" for k, v in sorted(total.items())) + " in all)")
+
+
+async def actor_node(actor, group, index: int, name: str, group_role: str, placement_timeout_s: float,
+                     start_timeout_s: float) -> str:
+    """The node of an instance's actor, once Ray placed it and its process runs. A bundle without a
+    live node (its node was lost, or the cluster is full) may wait placement_timeout_s for one; an
+    actor whose bundle has a node may take start_timeout_s to start its process (a loaded node starts
+    its worker processes one at a time)."""
+    call = asyncio.ensure_future(actor.node_ip.remote())
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + start_timeout_s
+    unplaced_since = None
+    while True:
+        done, _ = await asyncio.wait([call], timeout=1.0)
+        if done:
+            return call.result()
+        now = loop.time()
+        unplaced_since = None if bundle_has_live_node(group, index) else (unplaced_since or now)
+        if unplaced_since is not None and now - unplaced_since >= placement_timeout_s:
+            call.cancel()
+            raise ServiceStartError(
+                f"{name}: no node took its bundle ({describe_bundles([group.bundle_specs[index]])} of {group_role}) "
+                f"within --ray_placement_timeout_s {placement_timeout_s:.0f} s; {cluster_summary()}. Its node was lost "
+                "or is full: add a node (`ray start --address HEAD:6379`), then resume with --load_checkpoint")
+        if now >= give_up:
+            call.cancel()
+            raise ServiceStartError(
+                f"{name}: its Ray actor did not start within --service_start_timeout_s {start_timeout_s:.0f} s "
+                "though its bundle has a node; `ray status` and the node's raylet log "
+                "(/tmp/ray/session_latest/logs) say why")
+
+
+def bundle_has_live_node(group, index: int) -> bool:
+    """Whether the placement group's bundle is reserved on a node that is alive now (a group whose node
+    was lost is RESCHEDULING until another node takes the bundle)."""
+    table = placement_group_table(group)
+    node = table.get("bundles_to_node_id", {}).get(index)
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    return table.get("state") == "CREATED" and node in alive
+
+
+def live_node_ips() -> set[str]:
+    return {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+
+
+def cluster_summary() -> str:
+    """What the cluster has: GPUs and CPUs in all, free now, and per live node."""
+    total, free = ray.cluster_resources(), ray.available_resources()
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    per_node = ", ".join(f"{n['NodeManagerAddress']}: {n['Resources'].get('GPU', 0):g} GPU / "
+                         f"{n['Resources'].get('CPU', 0):g} CPU" for n in nodes)
+    return (f"the cluster has {len(nodes)} live node(s) with {total.get('GPU', 0):g} GPU and {total.get('CPU', 0):g} "
+            f"CPU in all, {free.get('GPU', 0):g} GPU and {free.get('CPU', 0):g} CPU free ({per_node})")
