@@ -2,9 +2,12 @@
 
 1. A run without faults, then the same run with a rollout engine killed during generation (step 1),
    the reward + reference service killed during generation (step 2) and the learner killed during
-   training (step 3): every service is restarted, the steps are the same, every step generated,
-   scored and trained on the same samples with the same results, and the final model equals the
-   fault-free one (the learner went back to its step-2 checkpoint: one step redone, no more).
+   training (step 3); the learner also kills itself at two points of its checkpoint protocol
+   (tests/chaos/test_crash_points.py's "learner-checkpoint-a" plan: while marking a new folder, the
+   case that used to lose a run, and while writing the model of its second save). Every service is
+   restarted, the steps are the same, every step generated, scored and trained on the same samples
+   with the same results, and the final model equals the fault-free one (each learner death went
+   back to the newest complete checkpoint: one step redone, no more).
 2. One engine only, killed during the weight push: the push waits for the restart and the run ends
    with every step.
 3. --max_restarts 0: the first death stops the run with an error naming the service, its exit code
@@ -16,27 +19,36 @@ from __future__ import annotations
 import pathlib
 
 from tests.chaos.conftest import STEPS
+from tests.chaos.test_crash_points import PLANS
 from tests.chaos.harness import Kill, differences, grpo_argv, model_difference, run_trial
+
+CHECKPOINT_CRASHES = PLANS["learner-checkpoint-a"]
 
 
 def test_rollout_reward_and_learner_deaths_change_nothing(baseline, tiny_model_dir, tiny_data_dir, tmp_path):
     base, base_out = baseline
     kills = [Kill("rollout-0", "generate", 1), Kill("reward-ref-0", "generate", 2, delay_s=0.2),
              Kill("learner", "train", 3)]
-    trial = run_trial(grpo_argv(tiny_model_dir, tiny_data_dir, tmp_path, 2, STEPS), tmp_path, kills, timeout_s=900)
+    argv = grpo_argv(tiny_model_dir, tiny_data_dir, tmp_path, 2, STEPS) + ["--max_restarts", "8"]
+    trial = run_trial(argv, tmp_path, kills, timeout_s=900, crash_at=CHECKPOINT_CRASHES)
     assert trial.returncode == 0, trial.log[-8000:]
     assert len(trial.killed_at_s) == 3, trial.log[-4000:]
+    assert trial.crashed_at == sorted(CHECKPOINT_CRASHES), (trial.crashed_at, trial.log[-4000:])
     restarted = sorted(e["service"] for e in trial.events if e["event"] == "service.restarted")
-    assert restarted == ["learner", "reward-ref-0", "rollout-0"], trial.events
+    assert restarted == ["learner"] * 3 + ["reward-ref-0", "rollout-0"], trial.events
     assert trial.count("rollout.admitted") >= 1
-    # The learner died during step 3 with --save_steps 1: back to the step-2 checkpoint, nothing redone
-    # beyond the step that was under way. On a loaded machine the kill can land just after step 3
-    # (its checkpoint saved) and before the final export: the restarted learner loads step 3's
-    # checkpoint and the export is done again, nothing redone.
-    rewinds = [e for e in trial.events if e["event"] == "learner.rewound"]
-    assert [(e["from_step"], e["to_step"]) for e in rewinds] in ([(2, 2)], [(3, 3)]), rewinds
+    # Every learner death goes back to the newest complete checkpoint (--save_steps 1), nothing redone
+    # beyond the step under way. The last one, during step 3, goes back to step 2's; on a loaded machine
+    # that kill can land just after step 3 (its checkpoint saved) and before the final export: the
+    # restarted learner loads step 3's checkpoint and the export is done again.
+    rewinds = [(e["from_step"], e["to_step"]) for e in trial.events if e["event"] == "learner.rewound"]
+    assert len(rewinds) == 3 and rewinds[-1] in ((2, 2), (3, 3)), rewinds
+    assert all(0 <= frm - to <= 1 for frm, to in rewinds), rewinds
     assert differences(base, trial) == []
     assert model_difference(base_out / "model", tmp_path / "model") < 1e-6
+    # No global_step folder is left without its marker: the killed saves were redone or removed.
+    for folder in (tmp_path / "ckpt").glob("global_step_*"):
+        assert (folder / "learner.json").is_file(), sorted(p.name for p in folder.iterdir())
     metrics = (tmp_path / "run" / "events.jsonl").read_text()
     assert "service.died" in metrics
 

@@ -9,7 +9,8 @@ A count `#n` is per process: a restarted process counts from 1 again.
 
 The whole walk takes far longer than the suite's budget on a 2-core machine (each plan restarts
 services several times), so the suite runs the plan of the learner's checkpoint folder (the case
-that used to lose a run); RLMESH_CRASH_WALK=1 runs every plan and the two-rank one.
+that used to lose a run) inside tests/chaos/test_chaos.py's kill trial; RLMESH_CRASH_WALK=1 runs
+every plan here, and the two-rank one.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ PLANS = {
     "coordinator-checkpoint": ["coordinator.checkpoint.state_written#2", "coordinator.checkpoint.latest_updated#2",
                                "coordinator.checkpoint.pruned#2"],
 }
-IN_SUITE = {"learner-checkpoint-a"}
 WALK_ALL = os.environ.get("RLMESH_CRASH_WALK", "") not in ("", "0")
 walk_only = pytest.mark.skipif(not WALK_ALL, reason="the full crash walk runs with RLMESH_CRASH_WALK=1")
 # The learner's rank group needs two ranks (and is compared step by step on its own terms).
@@ -55,7 +55,8 @@ def test_every_point_is_walked():
     assert planned == set(POINTS), sorted(set(POINTS) ^ planned)
 
 
-@pytest.mark.parametrize("plan", [p if p in IN_SUITE else pytest.param(p, marks=walk_only) for p in sorted(PLANS)])
+@walk_only
+@pytest.mark.parametrize("plan", sorted(PLANS))
 def test_a_kill_at_each_point_changes_nothing(plan, baseline, tiny_model_dir, tiny_data_dir, tmp_path):
     base, _ = baseline
     argv = grpo_argv(tiny_model_dir, tiny_data_dir, tmp_path, 2, STEPS) + ["--max_restarts", "8"]
