@@ -27,6 +27,7 @@ from tests.coordinator.conftest import REPO, read_metrics, service_env
 
 HEAD = "127.0.0.2"
 WORKERS = ["127.0.0.3", "127.0.0.4", "127.0.0.5", "127.0.0.6"]
+SERVICE_NODE = r"ray\.service_(?:started|ready) service=(\S+) address=\S+ node=(\S+)"  # the coordinator's log
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,7 @@ def nodes_of(run_dir: pathlib.Path, output: str) -> dict[str, str]:
     """service -> node, from the coordinator's log (every instance, learner ranks included: Ray
     reports the node of each actor); every metrics target in the run's Prometheus file must be on
     its own node's address and agree with it."""
-    found = dict(re.findall(r"ray\.service_(?:started|ready) service=(\S+) address=\S+ node=(\S+)", output))
+    found = dict(re.findall(SERVICE_NODE, output))
     targets = json.loads((run_dir / "prometheus_targets.json").read_text())
     assert targets, "no Prometheus targets"
     for t in targets:
@@ -190,11 +191,14 @@ def test_guide_hybrid_engine_over_two_nodes_one_of_them_lost(cluster, tiny_model
     proc = start_submit(cluster, argv, log)
     lost, joined = None, None
     try:
-        while not ((run / "metrics.jsonl").is_file() and read_metrics(run)):
+        # Step 1 done, and the job's log (which `ray job submit` relays with a lag) names the ranks' nodes.
+        before = {}
+        while not ((run / "metrics.jsonl").is_file() and read_metrics(run) and
+                   {"learner", "learner-rank2"} <= before.keys()):
             assert proc.poll() is None, log.read_text(errors="replace")[-8000:]
             assert time.monotonic() - t0 < 900, "no step 1 within 900 s"
             time.sleep(0.5)
-        before = nodes_of(run, log.read_text(errors="replace"))
+            before = dict(re.findall(SERVICE_NODE, log.read_text(errors="replace")))
         lost = before["learner-rank2"]
         assert lost != before["learner"], before
         killed = cluster.kill(lost)
