@@ -22,6 +22,10 @@ import time
 
 import pytest
 
+from rlmesh.coordinator.v1 import coordinator_pb2 as pb
+from rlmesh.coordinator.v1 import coordinator_pb2_grpc
+from services.common.client import make_sync_channel
+from services.common.security import ClientCredentials
 from services.coordinator.fleet.local_cluster import LocalCluster, free_port
 from tests.coordinator.conftest import REPO, read_metrics, service_env
 
@@ -171,11 +175,13 @@ def test_guide_hybrid_engine_over_two_nodes_one_of_them_lost(cluster, tiny_model
     engine on the node of the actor rank whose GPU it shares; every address one node gives another
     (gRPC, the learner's rendezvous, the weight-sync group) is that node's own.
 
-    Then the guide's node failure: once step 1 is logged, the node of ranks 2 and 3 (and of the engines
-    sharing their GPUs) is killed as a lost machine. Ray moves its bundles to a node with room; every
-    learner rank restarts there or in place, loads the newest checkpoint, the lost engines start on the
-    new node and get the current weights before they generate, and the run ends with every step, each
-    trained on as many samples as without the loss. The cluster gets a node back for the other tests."""
+    Then the guide's node failure: once step 1 is logged, the node of ranks 0 and 1 is killed as a lost
+    machine, and with it the learner's gRPC server and rendezvous, the engines sharing the two GPUs and
+    the reward + reference instance. Ray moves its bundles to a node with room; every learner rank
+    restarts there or in place around a new rendezvous, loads the newest checkpoint, the lost engines
+    start on the new node and get the current weights before they generate, the step's scoring waits
+    for the restarted reward + reference instance, and the run ends with every step, each trained on as
+    many samples as without the loss. The cluster gets a node back for the other tests."""
     argv = [*common_argv(tiny_model_dir, tiny_data_dir, tmp_path), "--advantage_estimator", "group_norm",
             "--n_samples_per_prompt", "2", "--train_batch_size", "16", "--micro_train_batch_size", "4",
             "--reward_func", "math", "--label_key", "label", "--init_kl_coef", "0.01",
@@ -184,23 +190,29 @@ def test_guide_hybrid_engine_over_two_nodes_one_of_them_lost(cluster, tiny_model
             "--vllm_num_engines", "4", "--vllm_tensor_parallel_size", "1",
             "--critic_num_nodes", "0", "--critic_num_gpus_per_node", "0", "--reward_num_nodes", "0",
             "--reward_num_gpus_per_node", "0", "--ref_num_nodes", "0", "--ref_num_gpus_per_node", "0",
-            "--max_steps", "3", "--save_steps", "1"]
+            "--max_steps", "3", "--save_steps", "1", "--port", "0", "--ready_file", str(tmp_path / "control.json")]
     run = tmp_path / "run"
     log = tmp_path / "submit.log"
     t0 = time.monotonic()
     proc = start_submit(cluster, argv, log)
     lost, joined = None, None
     try:
-        # Step 1 done, and the job's log (which `ray job submit` relays with a lag) names the ranks' nodes.
-        before = {}
-        while not ((run / "metrics.jsonl").is_file() and read_metrics(run) and
-                   {"learner", "learner-rank2"} <= before.keys()):
-            assert proc.poll() is None, log.read_text(errors="replace")[-8000:]
-            assert time.monotonic() - t0 < 900, "no step 1 within 900 s"
-            time.sleep(0.5)
-            before = dict(re.findall(SERVICE_NODE, log.read_text(errors="replace")))
-        lost = before["learner-rank2"]
-        assert lost != before["learner"], before
+        # The moment comes from the run's control API (the job's log, relayed by `ray job submit`, lags):
+        # step 1 done and step 2 generating. The learner's address is on rank 0's node.
+        while not (tmp_path / "control.json").is_file():
+            assert proc.poll() is None and time.monotonic() - t0 < 600, log.read_text(errors="replace")[-8000:]
+            time.sleep(0.2)
+        address = json.loads((tmp_path / "control.json").read_text())["address"]
+        token = (run / "auth_token").read_text().strip()
+        with make_sync_channel(address, credentials=ClientCredentials(token=token), default_timeout_s=30) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+            while True:
+                assert proc.poll() is None and time.monotonic() - t0 < 900, log.read_text(errors="replace")[-8000:]
+                status = stub.GetStatus(pb.GetStatusRequest(), timeout=30)
+                if status.global_step >= 1 and status.phase == pb.PHASE_GENERATING:
+                    break
+                time.sleep(0.03)
+        lost = next(s.address for s in status.services if s.role == "learner").rpartition(":")[0]
         killed = cluster.kill(lost)
         t_kill, killed_at = time.monotonic(), datetime.datetime.now(datetime.timezone.utc)
         print(f"step 1 after {t_kill - t0:.1f} s; node {lost} killed ({killed} processes)")
@@ -224,18 +236,25 @@ def test_guide_hybrid_engine_over_two_nodes_one_of_them_lost(cluster, tiny_model
     rewinds = [(e["from_step"], e["to_step"]) for e in events if e["event"] == "learner.rewound"]
     assert rewinds and all(to >= 1 and frm - to <= 1 for frm, to in rewinds), rewinds
     replaced = set(re.findall(r"ray\.actor_replaced service=(\S+)", output))
-    assert {"learner-rank2", "learner-rank3", "rollout-2", "rollout-3"} <= replaced, replaced
+    assert {"learner", "learner-rank1", "rollout-0", "rollout-1", "reward-ref-0"} <= replaced, replaced
     back = {}  # service -> seconds from the loss to its start on a live node (rank 0: serving)
     for when, service in re.findall(r"(\S+Z) INFO coordinator ray\.service_(?:ready|started) service=(\S+) ",
                                     output):
         after = (datetime.datetime.fromisoformat(when) - killed_at).total_seconds()
         if after > 0:
             back[service] = round(after, 1)
-    print(f"back after the loss of {lost} (s): {back}")
-    assert {"learner", "learner-rank2", "learner-rank3", "rollout-2", "rollout-3"} <= back.keys(), back
+    print(f"back after the loss of {lost} during step {status.global_step + 1}'s generation (s): {back}")
+    assert {"learner", *(f"learner-rank{r}" for r in (1, 2, 3)), "rollout-0", "rollout-1", "reward-ref-0"} \
+        <= back.keys(), back
 
     nodes = nodes_of(run, output)  # where every instance runs now
     assert lost not in nodes.values(), nodes
+    placed_first = {}
+    for service, node in re.findall(SERVICE_NODE, output):
+        placed_first.setdefault(service, node)
+    # Lost: ranks 0 and 1, the engines on their GPUs and the reward + reference instance (on rank 0's).
+    assert {s for s, node in placed_first.items() if node == lost} == \
+        {"learner", "learner-rank1", "rollout-0", "rollout-1", "reward-ref-0"}, placed_first
     ranks = [nodes["learner"], *(nodes[f"learner-rank{r}"] for r in (1, 2, 3))]
     assert ranks[0] == ranks[1] != ranks[2] == ranks[3], ranks  # two ranks per node, two nodes
     assert [nodes[f"rollout-{i}"] for i in range(4)] == ranks  # engine i shares rank i's GPU, moved with it
