@@ -60,18 +60,22 @@ def bundle_has_live_node(group, index: int) -> bool:
     was lost is RESCHEDULING until another node takes the bundle)."""
     table = placement_group_table(group)
     node = table.get("bundles_to_node_id", {}).get(index)
-    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-    return table.get("state") == "CREATED" and node in alive
+    return table.get("state") == "CREATED" and node in {n["NodeID"] for n in live_nodes()}
+
+
+def live_nodes() -> list[dict]:
+    """ray.nodes() of the nodes the cluster counts alive now (a lost one stays listed, not alive)."""
+    return [n for n in ray.nodes() if n.get("Alive")]
 
 
 def live_node_ips() -> set[str]:
-    return {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+    return {n["NodeManagerAddress"] for n in live_nodes()}
 
 
 def cluster_summary() -> str:
     """What the cluster has: GPUs and CPUs in all, free now, and per live node."""
     total, free = ray.cluster_resources(), ray.available_resources()
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    nodes = live_nodes()
     per_node = ", ".join(f"{n['NodeManagerAddress']}: {n['Resources'].get('GPU', 0):g} GPU / "
                          f"{n['Resources'].get('CPU', 0):g} CPU" for n in nodes)
     return (f"the cluster has {len(nodes)} live node(s) with {total.get('GPU', 0):g} GPU and {total.get('CPU', 0):g} "
