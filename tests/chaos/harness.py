@@ -202,6 +202,13 @@ def differences(baseline: Trial, trial: Trial, rtol: float = 1e-6) -> list[str]:
     return diffs
 
 
+def unmarked_checkpoints(ckpt: pathlib.Path) -> dict[str, list[str]]:
+    """global_step_N folders without the learner's marker (learner.json), with their contents: after a
+    run that killed saves, each was redone or removed, so none should be left."""
+    return {f.name: sorted(p.name for p in f.iterdir()) for f in ckpt.glob("global_step_*")
+            if not (f / "learner.json").is_file()}
+
+
 def model_difference(a: pathlib.Path, b: pathlib.Path) -> float:
     """Largest absolute difference between two exported models' parameters."""
     from safetensors.torch import load_file

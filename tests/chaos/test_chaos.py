@@ -19,8 +19,8 @@ from __future__ import annotations
 import pathlib
 
 from tests.chaos.conftest import STEPS
+from tests.chaos.harness import Kill, differences, grpo_argv, model_difference, run_trial, unmarked_checkpoints
 from tests.chaos.test_crash_points import PLANS
-from tests.chaos.harness import Kill, differences, grpo_argv, model_difference, run_trial
 
 CHECKPOINT_CRASHES = PLANS["learner-checkpoint-a"]
 
@@ -47,8 +47,7 @@ def test_rollout_reward_and_learner_deaths_change_nothing(baseline, tiny_model_d
     assert differences(base, trial) == []
     assert model_difference(base_out / "model", tmp_path / "model") < 1e-6
     # No global_step folder is left without its marker: the killed saves were redone or removed.
-    for folder in (tmp_path / "ckpt").glob("global_step_*"):
-        assert (folder / "learner.json").is_file(), sorted(p.name for p in folder.iterdir())
+    assert unmarked_checkpoints(tmp_path / "ckpt") == {}
     metrics = (tmp_path / "run" / "events.jsonl").read_text()
     assert "service.died" in metrics
 

@@ -28,9 +28,13 @@ def service_env() -> dict[str, str]:
     return env
 
 
-def start_coordinator(module: str, argv: list[str], log_path: pathlib.Path) -> subprocess.Popen:
+def start_coordinator(module: str, argv: list[str], log_path: pathlib.Path,
+                      cwd: pathlib.Path = REPO) -> subprocess.Popen:
+    """The coordinator as a user starts it, from `cwd` (the repository importable from anywhere)."""
+    env = service_env()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     log = open(log_path, "wb")
-    return subprocess.Popen([sys.executable, "-m", module, *argv], cwd=REPO, env=service_env(), stdout=log,
+    return subprocess.Popen([sys.executable, "-m", module, *argv], cwd=cwd, env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 

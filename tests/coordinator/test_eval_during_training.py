@@ -9,8 +9,6 @@ and run folder there, although the services it starts run in the repository root
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import prometheus_client
 import pytest
@@ -18,7 +16,7 @@ import pytest
 from services.coordinator.loop import checkpoint
 from services.coordinator.loop.metrics import MetricsLog
 from services.coordinator.cli.plot import read_metrics as plot_records
-from tests.coordinator.conftest import REPO, finish, read_metrics, service_env
+from tests.coordinator.conftest import REPO, finish, read_metrics, start_coordinator
 from tests.coordinator.test_metrics_plot import fake_config
 
 EVAL_PROMPTS = 4
@@ -42,10 +40,7 @@ def test_grpo_run_from_another_folder_logs_evaluations_and_keeps_every_path_ther
             "--use_tensorboard", "tb", "--wandb_run_name", name,
             "--ckpt_path", f"out/{name}", "--save_steps", "3", "--save_path", "final"]
     log = tmp_path / "coordinator.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "services.coordinator", *argv], cwd=elsewhere,
-                                env={**service_env(), "PYTHONPATH": str(REPO)}, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    proc = start_coordinator("services.coordinator", argv, log, cwd=elsewhere)
     output = finish(proc, log, timeout_s=420)
     assert proc.returncode == 0, output[-6000:]
 
