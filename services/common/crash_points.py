@@ -1,10 +1,12 @@
 """Named crash points: a test-only switch that makes a process kill itself (SIGKILL) at a chosen
 moment of the checkpoint, weight-push, rank-group or step protocol.
 
-    RLMESH_CRASH_AT="<point>[@<who>][#<n>][,<point>...]"
+    RLMESH_CRASH_AT="<point>[@<who>][:<call>][#<n>][,<point>...]"
         point  a name from POINTS
         who    only this process: a service name as the coordinator's launcher names it ("learner",
                "rollout-1", "reward-ref-0"), "rank<N>" for one rank of a learner, or "coordinator"
+        call   only where the point is reached for this call: its request id, or the id followed by
+               "-" and more ("step3" matches "step3" and "step3-9f2c", not "step30")
         n      the n-th time this process reaches the point (default: the first)
     RLMESH_CRASH_ONCE_DIR=<folder>
         each entry fires once over all processes (a file per fired entry, created exclusively),
@@ -72,67 +74,74 @@ POINTS: dict[str, str] = {
 
 
 @dataclasses.dataclass
-class _Entry:
+class Entry:
     text: str
     point: str
     who: str
+    call: str
     nth: int
     seen: int = 0
 
+    def reached(self, point: str, call: str) -> bool:
+        """Counts a pass of this process through `point` for `call`; True on the pass the entry names."""
+        if self.point != point or (self.who and self.who not in process_names()):
+            return False
+        if self.call and not (call == self.call or call.startswith(self.call + "-")):
+            return False
+        self.seen += 1
+        return self.seen == self.nth
 
-def _parse(text: str) -> list[_Entry]:
+
+def parse_entries(variable: str, points: dict[str, str]) -> list[Entry]:
+    """The entries of the environment variable `variable`, each naming one of `points`."""
     entries = []
-    for item in (part.strip() for part in text.split(",")):
+    for item in (part.strip() for part in os.environ.get(variable, "").split(",")):
         if not item:
             continue
         rest, _, nth = item.partition("#")
+        rest, _, call = rest.partition(":")
         point, _, who = rest.partition("@")
-        if point not in POINTS:
-            raise SystemExit(f"RLMESH_CRASH_AT: {item!r} names no crash point; the points are: "
-                             f"{', '.join(POINTS)}")
+        if point not in points:
+            raise SystemExit(f"{variable}: {item!r} names no point; the points are: {', '.join(points)}")
         if nth and not (nth.isdigit() and int(nth) >= 1):
-            raise SystemExit(f"RLMESH_CRASH_AT: {item!r}: the count after '#' must be a whole number >= 1")
-        entries.append(_Entry(item, point, who, int(nth or 1)))
+            raise SystemExit(f"{variable}: {item!r}: the count after '#' must be a whole number >= 1")
+        entries.append(Entry(item, point, who, call, int(nth or 1)))
     return entries
 
 
-def _me() -> set[str]:
+def process_names() -> set[str]:
     names = {os.environ.get("RLMESH_SERVICE", "coordinator")}
     if "RANK" in os.environ:
         names.add(f"rank{os.environ['RANK']}")
     return names
 
 
-_PLAN = _parse(os.environ.get("RLMESH_CRASH_AT", "")) or None
-_ONCE_DIR = os.environ.get("RLMESH_CRASH_ONCE_DIR", "")
-
-
-def crash_point(name: str) -> None:
-    """Kills this process (SIGKILL, no cleanup, as a power cut or the OOM killer) when the switch
-    names `name` for it; otherwise does nothing."""
-    if _PLAN is None:
-        return
-    if name not in POINTS:
-        raise ValueError(f"crash_point({name!r}): not in services.common.crash_points.POINTS; add it there")
-    for entry in _PLAN:
-        if entry.point != name or (entry.who and entry.who not in _me()):
-            continue
-        entry.seen += 1
-        if entry.seen == entry.nth and _claim(entry):
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _claim(entry: _Entry) -> bool:
-    """Whether this process may fire `entry` (always, without RLMESH_CRASH_ONCE_DIR)."""
-    if not _ONCE_DIR:
-        return True
-    flag = pathlib.Path(_ONCE_DIR) / ("fired-" + entry.text.replace("/", "_"))
+def claim_file(folder: pathlib.Path, entry: Entry, prefix: str) -> bool:
+    """Creates folder/<prefix><entry> exclusively, recording who made it; False when it exists."""
+    flag = folder / (prefix + entry.text.replace("/", "_"))
     try:
         fd = os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
         return False
     # The record says who fired where; a test reads it to know the kill happened.
-    os.write(fd, f"{os.getpid()} {sorted(_me())}\n".encode())
+    os.write(fd, f"{os.getpid()} {sorted(process_names())}\n".encode())
     os.fsync(fd)
     os.close(fd)
     return True
+
+
+_PLAN = parse_entries("RLMESH_CRASH_AT", POINTS) or None
+_ONCE_DIR = os.environ.get("RLMESH_CRASH_ONCE_DIR", "")
+
+
+def crash_point(name: str, call: str = "") -> None:
+    """Kills this process (SIGKILL, no cleanup, as a power cut or the OOM killer) when the switch
+    names `name` for it (and `call`, the request it serves, where the entry names one); otherwise
+    does nothing."""
+    if _PLAN is None:
+        return
+    if name not in POINTS:
+        raise ValueError(f"crash_point({name!r}): not in services.common.crash_points.POINTS; add it there")
+    for entry in _PLAN:
+        if entry.reached(name, call) and (not _ONCE_DIR or claim_file(pathlib.Path(_ONCE_DIR), entry, "fired-")):
+            os.kill(os.getpid(), signal.SIGKILL)

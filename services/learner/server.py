@@ -17,6 +17,7 @@ from rlmesh.learner.v1 import learner_pb2, learner_pb2_grpc
 from services.common import weights
 from services.common.crash_points import crash_point
 from services.common.errors import ServiceError, failed_precondition, handle_errors, invalid_argument
+from services.common.hold_points import hold
 from services.common.log import get_logger, log_event
 from services.common.tensors import ragged_to_proto
 from services.common import ownership
@@ -284,6 +285,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             required += ["rollout_logprobs"] if loss["tis_cap"] > 0 else []
             samples = decode_experience(request.batch, required, self.rank0.vocab_size, self.rank0.max_len)
             plans = self._plan(samples, _epochs(request.max_epochs), request.shuffle_seed)
+            await hold("learner.train.started", request.request_id)
             async with self._weights_lock:
                 results = await self._run("train_actor", [{"steps": p, "loss": loss} for p in plans])
             c = self._combine(results, "actor")

@@ -33,6 +33,7 @@ from transformers import AutoTokenizer
 
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.crash_points import crash_point
+from services.common import hold_points
 from services.common.errors import ServiceError, failed_precondition, handle_errors, invalid_argument
 from services.common.log import get_logger, log_event
 from services.common.server import ServiceRunner
@@ -194,6 +195,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                     version = self.version
                     log_event(log, "generate.start", request_id=tag, prompts=len(prompts), n=request.n,
                               max_tokens=sampling.max_tokens, weight_version=version)
+                    await hold_points.hold("rollout.generate.started", tag)
                     done = 0
                     try:
                         async with contextlib.aclosing(self.engine.generate(specs, sampling)) as results:

@@ -63,6 +63,33 @@ class Trial:
         return sum(int(e.get("redone_steps", 0)) for e in self.events if e["event"] == "learner.rewound")
 
 
+class Holds:
+    """RLMESH_HOLD_AT entries (services/common/hold_points.py) for one run: env() for its processes,
+    wait() until a process holds at an entry, release() to let it go on. A moment held is there
+    however slow or loaded the machine is, where a status poll can miss a step that lasts 0.1 s."""
+
+    def __init__(self, folder: pathlib.Path, *entries: str):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder, self.entries = folder, entries
+
+    def env(self) -> dict[str, str]:
+        return {"RLMESH_HOLD_AT": ",".join(self.entries), "RLMESH_HOLD_DIR": str(self.folder)}
+
+    def wait(self, entry: str, proc: subprocess.Popen, timeout_s: float = 300.0) -> int:
+        """The pid of the process held at `entry`, once it is; fails when `proc` (the coordinator) exits first."""
+        assert entry in self.entries, entry
+        path = self.folder / ("held-" + entry.replace("/", "_"))
+        deadline = time.monotonic() + timeout_s
+        while not (path.is_file() and path.read_text().endswith("\n")):
+            assert proc.poll() is None, f"the coordinator exited before anything held at {entry}"
+            assert time.monotonic() < deadline, f"nothing held at {entry} within {timeout_s} s"
+            time.sleep(0.02)
+        return int(path.read_text().split()[0])
+
+    def release(self, entry: str) -> None:
+        (self.folder / ("release-" + entry.replace("/", "_"))).write_text("")
+
+
 def service_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", RAY_USAGE_STATS_ENABLED="0",

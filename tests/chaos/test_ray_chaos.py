@@ -38,7 +38,7 @@ from rlmesh.coordinator.v1 import coordinator_pb2_grpc
 from services.common.client import make_sync_channel
 from services.common.security import ClientCredentials
 from services.coordinator.cli.scale_cli import main as scale_main
-from tests.chaos.harness import REPO, grpo_argv, service_env
+from tests.chaos.harness import REPO, Holds, grpo_argv, service_env
 
 STEPS = 4
 
@@ -57,15 +57,6 @@ def _wait(stub, predicate, proc, timeout_s: float, what: str) -> pb.GetStatusRes
 
 def _engine(status: pb.GetStatusResponse, index: int) -> pb.ServiceStatus | None:
     return next((s for s in status.services if s.role == "rollout" and s.index == index), None)
-
-
-def _wait_log(path: pathlib.Path, text: str, proc, timeout_s: float) -> None:
-    """Until a service's log holds `text` (a log line is written as the service gets there)."""
-    deadline = time.monotonic() + timeout_s
-    while not (path.is_file() and text in path.read_text(errors="replace")):
-        assert proc.poll() is None, f"the coordinator exited while waiting for {text!r} in {path.name}"
-        assert time.monotonic() < deadline, f"no {text!r} in {path.name} within {timeout_s} s"
-        time.sleep(0.01)
 
 
 def _pid(run_dir: pathlib.Path, service: str) -> int:
@@ -109,7 +100,12 @@ def test_ray_kills_restarts_and_scaling(tiny_model_dir, tiny_data_dir, tmp_path,
     argv = grpo_argv(tiny_model_dir, tiny_data_dir, tmp_path, 2, STEPS, "hf", "--placement", "ray",
                      "--ray_num_cpus", "2", "--metrics_port", "0", "--metrics_final_scrape_timeout_s", "0")
     log_path = tmp_path / "coordinator.log"
-    proc = subprocess.Popen([sys.executable, "-m", "services.coordinator", *argv], cwd=REPO, env=service_env(),
+    # The moments of the faults, held until the test has acted (each once: a restarted service goes through).
+    first_kill, drain, learner_kill = ("rollout.generate.started@rollout-0:step1",
+                                       "rollout.generate.started@rollout-2:step2", "learner.train.started@learner:step3")
+    holds = Holds(tmp_path / "holds", first_kill, drain, learner_kill)
+    proc = subprocess.Popen([sys.executable, "-m", "services.coordinator", *argv], cwd=REPO,
+                            env={**service_env(), **holds.env()},
                             stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
@@ -123,8 +119,7 @@ def test_ray_kills_restarts_and_scaling(tiny_model_dir, tiny_data_dir, tmp_path,
                                default_timeout_s=600) as channel:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
             # 1. rollout-0 dies while it generates for step 1: its service process and its Ray actor.
-            _wait_log(run_dir / "logs" / "rollout-0.log", "generate.start request_id=step1-", proc, 300)
-            engine_pid = _pid(run_dir, "rollout-0")
+            engine_pid = holds.wait(first_kill, proc)
             actor_pid = _parent(engine_pid)
             os.kill(engine_pid, signal.SIGKILL)
             os.kill(actor_pid, signal.SIGKILL)
@@ -145,16 +140,15 @@ def test_ray_kills_restarts_and_scaling(tiny_model_dir, tiny_data_dir, tmp_path,
             assert _parent(_pid(run_dir, "rollout-0")) not in (actor_pid, proc.pid)
             stub.Resume(pb.ResumeRequest(), timeout=30)
             # Both are admitted at step 2's start with version 1; rollout-2 is drained while it generates.
-            _wait_log(run_dir / "logs" / "rollout-2.log", "generate.start request_id=step2-", proc, 300)
+            holds.wait(drain, proc)
             reply = stub.Scale(pb.ScaleRequest(role="rollout", replicas=2), timeout=60)
             assert list(reply.removed) == [added["added"][0]] and len(reply.addresses) == 2
-            # 3. The learner dies while step 3 trains (a fraction of a second here: when the polls miss
-            # it, while step 4 generates, scores or trains); a pause holds the run after its rewind.
-            killed_after = _wait(stub, lambda s: (s.global_step == 2 and s.phase == pb.PHASE_TRAINING) or (
-                s.global_step == 3 and s.phase in (pb.PHASE_GENERATING, pb.PHASE_SCORING, pb.PHASE_TRAINING)),
-                proc, 300, "step 3's training").global_step
-            learner_actor = _parent(_pid(run_dir, "learner"))
-            os.kill(_pid(run_dir, "learner"), signal.SIGKILL)
+            holds.release(drain)
+            # 3. The learner dies while step 3 trains; a pause holds the run after its rewind.
+            learner_pid = holds.wait(learner_kill, proc)
+            assert learner_pid == _pid(run_dir, "learner")
+            learner_actor = _parent(learner_pid)
+            os.kill(learner_pid, signal.SIGKILL)
             stub.Pause(pb.PauseRequest(), timeout=30)
             _wait(stub, lambda s: s.state == pb.RUN_STATE_PAUSED, proc, 300, "the pause after the learner's rewind")
             metrics_url = f"http://127.0.0.1:{control['metrics_port']}/metrics"
@@ -208,12 +202,13 @@ def test_ray_kills_restarts_and_scaling(tiny_model_dir, tiny_data_dir, tmp_path,
     assert "ray.bundle_reused service=rollout-1 bundle_of=rollout-1 " in output
     drained_with = next(e["in_flight"] for e in of("service.draining") if e["service"] == "rollout-2")
     print(f"rollout-2 drained with {drained_with} samples in flight; the learner was "
-          f"killed during step {killed_after + 1}; reward-ref-1 scored "
+          f"killed during step 3; reward-ref-1 scored "
           f"{(run_dir / 'logs' / 'reward-ref-1.log').read_text().count('score.done')} batches")
+    assert drained_with > 0  # held in its Generate call when the Scale came
     assert sorted(e["service"] for e in of("service.removed")) == ["reward-ref-1", "rollout-1", "rollout-2"]
     # With a checkpoint every step, back to the last completed step: only the step under way is redone.
     rewound = [(e["from_step"], e["to_step"]) for e in of("learner.rewound")]
-    assert rewound == [(killed_after, killed_after)], events
+    assert rewound == [(2, 2)], events
 
     # Step 1's prompts on the killed engine were generated on the other one.
     moved = of("rollout.prompts_moved")

@@ -36,7 +36,7 @@ from rlmesh.coordinator.v1 import coordinator_pb2 as pb
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from services.coordinator.fleet.launcher import spawn_service, stop_all, wait_until_ready
 from services.coordinator.cli.scale_cli import main as scale_main
-from tests.chaos.harness import service_env
+from tests.chaos.harness import Holds, service_env
 from tests.conftest import get_free_port
 from tests.coordinator.conftest import control_stub, finish, read_metrics, start_coordinator, wait_for_file
 
@@ -110,18 +110,6 @@ def wait_status(stub, predicate, proc, what: str, timeout_s: float = 300.0) -> p
     raise AssertionError(f"no {what} within {timeout_s} s; last status: {status}")
 
 
-def during(step: int, phase: int):
-    """Status predicate: step `step` (1-based) is in `phase` (the status reports the last completed step)."""
-    return lambda s: s.global_step + 1 == step and s.phase == phase
-
-
-def wait_for_line(path: pathlib.Path, text: str, proc, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while text not in path.read_text(errors="replace"):
-        assert proc.poll() is None and time.monotonic() < deadline, f"no {text!r} in {path}"
-        time.sleep(0.02)
-
-
 def rollout_entry(status, index: int):
     return next((x for x in status.services if x.role == "rollout" and x.index == index), None)
 
@@ -157,6 +145,12 @@ def test_static_services_die_restart_scale_and_the_coordinator_resumes(tiny_mode
             "--max_steps", str(STEPS), "--seed", "0", "--save_steps", "1", "--ckpt_path", str(tmp_path / "ckpt"),
             "--run_dir", str(run_dir), "--save_path", "", "--port", "0", "--ready_file", str(ready_file),
             "--restart_backoff_s", "0.5", "--rpc_timeout_s", "600"]
+    # The moments of the faults, held until the test has acted (each holds once: a restarted
+    # service goes through).
+    holds = Holds(tmp_path / "holds", "rollout.generate.started@rollout-0:step1",
+                  "rollout.generate.started@rollout-2:step3", "learner.train.started@learner:step4",
+                  "rollout.generate.started@rollout-1:step5")
+    deploy.env.update(holds.env())
     coordinator = None
     try:
         log_a = tmp_path / "coordinator-a.log"
@@ -164,7 +158,7 @@ def test_static_services_die_restart_scale_and_the_coordinator_resumes(tiny_mode
         started_s = time.monotonic() - t0
         with channel:
             # Step 1: rollout-0 dies while generating; the deployment starts it again at once.
-            wait_status(stub, during(1, pb.PHASE_GENERATING), coordinator, "step 1 generating")
+            holds.wait("rollout.generate.started@rollout-0:step1", coordinator)
             deploy.kill("rollout-0")
             deploy.start("rollout-0")
             stub.Pause(pb.PauseRequest(), timeout=10)
@@ -179,18 +173,21 @@ def test_static_services_die_restart_scale_and_the_coordinator_resumes(tiny_mode
             stub.Resume(pb.ResumeRequest(), timeout=10)
 
             # Step 3: the added engine is drained by address while it generates.
-            wait_for_line(deploy.procs["rollout-2"].log_path, "generate.start request_id=step3-", coordinator)
+            holds.wait("rollout.generate.started@rollout-2:step3", coordinator)
             assert scale_main(["rollout", "--remove", engines[2], "--address", address, "--run_dir", str(run_dir)]) == 0
+            holds.release("rollout.generate.started@rollout-2:step3")
 
             # Step 4: the learner dies while training; the deployment starts it again at once.
-            wait_status(stub, during(4, pb.PHASE_TRAINING), coordinator, "step 4 training")
+            holds.wait("learner.train.started@learner:step4", coordinator)
             deploy.kill("learner")
             deploy.start("learner")
 
-            # Step 5 (after the rewind and the redone step 4): the coordinator dies while the engines generate.
-            wait_status(stub, during(5, pb.PHASE_GENERATING), coordinator, "step 5 generating", timeout_s=400)
+            # Step 5 (after the rewind and the redone step 4): the coordinator dies while the engines
+            # generate; rollout-1 then finishes the call it was making for it.
+            holds.wait("rollout.generate.started@rollout-1:step5", coordinator, timeout_s=400)
         os.kill(coordinator.pid, signal.SIGKILL)
         coordinator.wait(30)
+        holds.release("rollout.generate.started@rollout-1:step5")
         first_run_s = time.monotonic() - t0
         pids = {name: p.pid for name, p in deploy.procs.items()}
 
@@ -291,13 +288,16 @@ def test_engine_restarted_between_health_checks_is_brought_back(tiny_model_dir, 
             "--prompt_max_len", "64", "--max_steps", "3", "--seed", "0", "--run_dir", str(run_dir),
             "--save_path", "", "--disable_ds_ckpt", "--port", "0", "--ready_file", str(ready_file),
             "--health_poll_s", "3600"]
+    holds = Holds(tmp_path / "holds", "rollout.generate.started@rollout-0:step1")
+    deploy.env.update(holds.env())
     coordinator = None
     try:
         log = tmp_path / "coordinator.log"
         coordinator, address, channel, stub = deploy.run_coordinator(argv, log, ready_file, run_dir)
         with channel:
-            wait_status(stub, during(1, pb.PHASE_GENERATING), coordinator, "step 1 generating")
+            holds.wait("rollout.generate.started@rollout-0:step1", coordinator)
             stub.Pause(pb.PauseRequest(), timeout=10)  # after step 1
+            holds.release("rollout.generate.started@rollout-0:step1")
             paused = wait_status(stub, lambda s: s.state == pb.RUN_STATE_PAUSED, coordinator, "the pause")
             assert paused.global_step == 1
             deploy.kill("rollout-1")  # and back on its address before the supervisor's next look

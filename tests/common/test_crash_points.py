@@ -52,6 +52,21 @@ def test_with_a_once_dir_a_restarted_process_lives_on(tmp_path):
 
 def test_a_wrong_entry_stops_the_process_with_the_fix():
     proc = run(1, RLMESH_CRASH_AT="coordinator.step.trianed")
-    assert proc.returncode == 1 and "names no crash point" in proc.stderr and POINT in proc.stderr
+    assert proc.returncode == 1 and "names no point" in proc.stderr and POINT in proc.stderr
     proc = run(1, RLMESH_CRASH_AT=f"{POINT}#0")
     assert proc.returncode == 1 and "whole number >= 1" in proc.stderr
+
+
+def test_a_call_filter_matches_the_request_id_or_its_prefix_before_a_dash():
+    code = ("import sys\nfrom services.common.crash_points import crash_point\n"
+            f"for call in sys.argv[1:]:\n    print(call, flush=True)\n    crash_point({POINT!r}, call)\nprint('lived')")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RLMESH_") and k != "RANK"}
+
+    def calls(*ids: str) -> list[str]:
+        proc = subprocess.run([sys.executable, "-c", code, *ids], cwd=REPO, capture_output=True, text=True, timeout=60,
+                              env={**clean, "PYTHONPATH": str(REPO), "RLMESH_CRASH_AT": f"{POINT}:step3"})
+        return proc.stdout.split()
+
+    assert calls("step30", "step13", "step3-ab12", "step4") == ["step30", "step13", "step3-ab12"]
+    assert calls("step2", "step3") == ["step2", "step3"]
+    assert calls("step2", "step30-x", "step4") == ["step2", "step30-x", "step4", "lived"]
