@@ -39,8 +39,7 @@ def test_rollout_reward_and_learner_deaths_change_nothing(baseline, tiny_model_d
     assert trial.count("rollout.admitted") >= 1
     # Every learner death goes back to the newest complete checkpoint (--save_steps 1), nothing redone
     # beyond the step under way. The last one, during step 3, goes back to step 2's; on a loaded machine
-    # that kill can land just after step 3 (its checkpoint saved) and before the final export: the
-    # restarted learner loads step 3's checkpoint and the export is done again.
+    # that kill can land just after step 3 (its checkpoint saved): the restarted learner loads step 3's.
     rewinds = [(e["from_step"], e["to_step"]) for e in trial.events if e["event"] == "learner.rewound"]
     assert len(rewinds) == 3 and rewinds[-1] in ((2, 2), (3, 3)), rewinds
     assert all(0 <= frm - to <= 1 for frm, to in rewinds), rewinds

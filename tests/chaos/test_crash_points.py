@@ -29,11 +29,12 @@ PLANS = {
     # the mid-folder case), while writing its files, and between its marker and pruning.
     "learner-checkpoint-a": ["learner.checkpoint.folder_marking", "learner.checkpoint.model_written#2"],
     "learner-checkpoint-b": ["learner.checkpoint.folder_created", "learner.checkpoint.client_state_written#2",
-                             "learner.checkpoint.marker_renamed#3", "learner.checkpoint.pruned#3"],
+                             "learner.checkpoint.marker_renamed#3", "learner.checkpoint.pruned#2"],
+    # (The first weight group is built at start-up: a death there has the start-up done again.)
     "learner-push": ["learner.push.group_built", "learner.push.chunk_sent#2", "learner.push.chunk_acknowledged#3",
                      "learner.push.version_committed#4"],
-    # A rollout engine killed in the push, then admitted again (the coordinator dies right after that).
-    # (#2: the first group is built at start-up, before the run is supervised.)
+    # A rollout engine killed in the push (#2: a group built during the run), then admitted again
+    # (the coordinator dies right after that).
     "rollout-push": ["rollout.push.group_built@rollout-0#2", "rollout.push.chunk_received@rollout-1",
                      "rollout.push.version_committed@rollout-0#2", "coordinator.push.engine_admitted"],
     "coordinator-step": ["coordinator.step.generated", "coordinator.step.scored#2", "coordinator.step.trained#2",

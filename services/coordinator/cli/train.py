@@ -156,14 +156,17 @@ async def run(config: CoordinatorConfig) -> int:
         trainer = Trainer(config, endpoints, control, stream, metrics=None, state=new_state(config, str(run_dir)),
                           weight_sync_master=master, eval_prompts=eval_prompts)
         trainer.query_decoder = QueryDecoder(tokenizer)
-        await trainer.setup(resume=config.load_checkpoint)
-        trainer.metrics = MetricsLog(run_dir, config, resumed_step=trainer.state.global_step)
-        control.attach_metrics(trainer.metrics)
-        # From here on a service that dies is restarted (supervisor) and the step repaired (recovery).
+        # From here on a service that dies is restarted (supervisor) and what it was doing redone
+        # (recovery): the start-up, or the step.
         supervisor = Supervisor(placement, config.max_restarts, config.restart_backoff_s, config.health_poll_s,
                                 run_dir)
-        control.scaler = Scaler(Recovery(trainer, supervisor), placement.name)
+        recovery = Recovery(trainer, supervisor)
         supervisor.start()
+        await recovery.setup(resume=config.load_checkpoint)
+        trainer.metrics = MetricsLog(run_dir, config, resumed_step=trainer.state.global_step)
+        trainer.metrics.log_if_missing(trainer.state.global_step, trainer.state.step_record)
+        control.attach_metrics(trainer.metrics)
+        control.scaler = Scaler(recovery, placement.name)
         await trainer.run()
         control.finish()
         log_event(_log, "run.done", step=control.global_step, run_dir=str(run_dir))

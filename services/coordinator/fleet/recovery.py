@@ -17,6 +17,12 @@
                           get the checkpoint's weights as a new version. With fixed seeds the run ends
                           with the model of a run without the crash.
 
+    during start-up       (the first weight group, the first push, a resume's checkpoint load) the
+                          start-up is done again once the dead service serves again.
+
+A death counts for a failed call even when the supervisor restarted the service before the call's
+failure surfaced (a push that waits on a dead member's socket can outlast the restart).
+
 Every weight group is rebuilt from scratch (InitWeightTransfer on the learner and every admitted
 engine) whenever its membership changes: a gloo/NCCL group cannot lose or gain a member in place.
 """
@@ -26,9 +32,12 @@ from __future__ import annotations
 import asyncio
 import re
 
+import grpc
+
 from rlmesh.rollout.v1 import rollout_pb2
 from services.common.crash_points import crash_point
 from services.coordinator.loop.run_state import ServiceEntry
+from services.coordinator.loop.weight_sync import WeightSyncError
 from services.coordinator.fleet.supervisor import RECOVERED_SAMPLES, REDONE_STEPS, SERVING, SYNCING, Instance, Supervisor
 
 # How long a failed call waits for the supervisor to see the death that caused it: a killed
@@ -63,6 +72,7 @@ class Recovery:
         self.reference_index = {i.name: k for k, i in enumerate(supervisor.by_role("reference"))}
         self.learner_restarted = False
         self._sync_lock = asyncio.Lock()
+        self._step_mark: dict[str, tuple[int, float]] = {}  # deaths seen when the step started
 
     def refresh_status(self) -> None:
         """The control API's service list, with the supervisor's state and restarts of each."""
@@ -139,6 +149,17 @@ class Recovery:
         name = next(n for n, k in self.rollout_index.items() if k == engine.index)
         return self.sup.instances[name]
 
+    def _mark(self) -> dict[str, tuple[int, float]]:
+        """Each instance's (restarts, time of the last death): what _failed_since compares with."""
+        return {name: (i.restarts, i.died_at) for name, i in self.sup.instances.items()}
+
+    async def _failed_since(self, mark: dict[str, tuple[int, float]]) -> list[Instance]:
+        """The instances down now (_dead_now) and those that died since `mark` and are back already."""
+        down = await self._dead_now()
+        back = [i for name, i in self.sup.instances.items()
+                if name in mark and mark[name] != (i.restarts, i.died_at) and i not in down]
+        return down + back
+
     async def _dead_now(self) -> list[Instance]:
         """The instances that are down, after giving the supervisor DEATH_GRACE_S to notice one
         (up to LEARNER_EXIT_S while the learner is not serving)."""
@@ -176,6 +197,11 @@ class Recovery:
                 for engine, info in zip(waiting, infos):
                     engine.tensor_parallel_size = max(1, info.tensor_parallel_size)
             group = members if version is None else waiting
+            if version is None:
+                # The version each engine holds, not the one last booked: a push whose answer was
+                # lost (the learner died after the engines took it) left them a version ahead.
+                for engine, info in zip(members, await handle.engine_infos(members)):
+                    engine.weight_version = info.weight_version
             # A new rendezvous port: the learner's store of the old group may still hold the old one.
             master = await self.sup.placement.weight_sync_master(handle.current_endpoints())
             await handle.build_weight_group(group, master)
@@ -204,6 +230,7 @@ class Recovery:
         """At a step's start: fail if a service gave up; admit restarted engines; with no engine
         admitted, wait for one."""
         self.sup.raise_if_failed()
+        self._step_mark = self._mark()
         if self.learner_restarted:
             raise LearnerRestarted("the learner restarted since the last step")
         # A learner restarted faster than a health check notices (static placement: same address)
@@ -229,6 +256,32 @@ class Recovery:
         elif any(e.syncing for e in self._members()):
             await self._sync(self.t.weight_version())
 
+    async def setup(self, resume: bool) -> None:
+        """The trainer's start-up, done again after a service died during it: the supervisor
+        restarts the service, and the first weight group, push and checkpoint load are redone with it."""
+        attempts = 0
+        while True:
+            self.sup.raise_if_failed()
+            mark = self._mark()
+            try:
+                await self.t.setup(resume=resume)
+                self.refresh_status()
+                return
+            except (grpc.RpcError, WeightSyncError, ConnectionError, asyncio.TimeoutError) as exc:
+                down = await self._failed_since(mark)
+                attempts += 1
+                if not (down or self.learner_restarted) or attempts > self.config.max_restarts + 1:
+                    raise
+                self.sup.event("setup.failed", services=",".join(i.name for i in down) or "learner",
+                               error=f"{type(exc).__name__}: {str(exc)[:300]}",
+                               action="start up again once they serve")
+            await self.sup.wait_back(self.config.service_start_timeout_s + 120.0)
+            if self.learner_restarted:
+                self.t.reconnect_learner(self.sup.instances["learner"].address)
+                self.learner_restarted = False
+            self.members.drop_weight_group()
+            self.members.use_rendezvous(await self.sup.placement.weight_sync_master(self.members.current_endpoints()))
+
     async def wait_for_engine(self) -> None:
         """No engine is admitted (generation would stop): wait for a restart and admit it with the
         weights the step generates with."""
@@ -251,12 +304,13 @@ class Recovery:
         failures = 0
         while True:
             self.sup.raise_if_failed()
+            mark = self._mark()
             try:
                 if self._group_stale():
                     return await self._sync(None)
                 return await self.t.push_weights(self._members())
             except Exception as exc:
-                down = await self._dead_now()
+                down = await self._failed_since(mark)
                 failures += 1
                 # Bounded: each retry follows a death, and deaths are bounded by --max_restarts.
                 limit = len(self.members.engines()) * (self.config.max_restarts + 1) + 1
@@ -281,7 +335,7 @@ class Recovery:
         (`step`, or the checkpoint's step after a learner restart). Re-raises failures no restart
         explains, and those after training when the learner lives (a redo would train twice)."""
         t, cfg = self.t, self.config
-        down = await self._dead_now()
+        down = await self._failed_since(self._step_mark)
         learner = self.learner_restarted or any("learner" in i.roles for i in down)
         if not down and not learner:
             raise exc

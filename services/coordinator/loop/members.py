@@ -89,8 +89,12 @@ class Members:
     def drop_weight_group(self) -> None:
         self.weights.drop_group()
 
+    def use_rendezvous(self, master: tuple[str, int] | None) -> None:
+        """The rendezvous of the next weight group (a new port after a broken one)."""
+        self.weights.master = master
+
     async def build_weight_group(self, engines: list, master: tuple[str, int] | None) -> None:
         """A new weight group of the learner and `engines` at rendezvous `master` (a new port each
         time: the learner's store of the old group may still hold the old one)."""
-        self.weights.master = master
+        self.use_rendezvous(master)
         await self.weights.build_group(engines)

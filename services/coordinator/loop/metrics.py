@@ -157,6 +157,12 @@ class MetricsLog:
             queue.put_nowait(record)
         return record
 
+    def log_if_missing(self, step: int, metrics: dict) -> None:
+        """Logs a checkpointed step's metrics kept in its checkpoint when this file lacks the step
+        (a coordinator that died after the save and before the log line)."""
+        if step and metrics and not any(r["global_step"] == step for r in self.history):
+            self.log(step, metrics)
+
     def rewind(self, step: int) -> None:
         """Drops the records after `step` (the run went back to a checkpoint and redoes them)."""
         self.history = [r for r in self.history if r["global_step"] <= step]

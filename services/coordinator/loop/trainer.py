@@ -384,6 +384,7 @@ class Trainer(RunCheckpoints):
                 saving = ((cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0)
                           or (c.stop_requested and c.stop_checkpoint))
                 if saving and not cfg.disable_ds_ckpt:
+                    self.state.step_record = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
                     metrics.update(await self.save_checkpoint(step + 1))
             except Exception as exc:  # noqa: BLE001 - a dead service: recovery restarts it or re-raises
                 if self.recovery is None:
