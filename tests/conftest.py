@@ -40,13 +40,13 @@ def pytest_collection_modifyitems(config, items):
 
 # Session fixtures that start processes or train: every test that uses one runs on the worker that
 # built it (scripts/test.sh runs the suite on parallel workers, pytest-xdist's --dist loadgroup).
-SHARED_FIXTURES = {"quickstart_run": "quickstart", "baseline": "chaos-baseline",
+SHARED_FIXTURES = {"quickstart_run": "quickstart", "baseline": "chaos-baseline", "walk_baseline": "crash-walk",
                    "vllm_rollout": "rollout-services", "hf_rollout": "rollout-services"}
 # Modules that start Ray (a local instance or a cluster of loopback nodes): one at a time, on one worker.
 RAY_MODULES = ("tests/chaos/test_ray_chaos.py", "tests/coordinator/test_ray_placement_wait.py",
                "tests/coordinator/test_ray_multinode.py")
 # Groups that take minutes go out first, so that no long one starts last (measured on 2 cores).
-LONG_GROUPS = ("ray", "chaos-baseline", "quickstart", "tests/chaos/test_learner_ranks.py",
+LONG_GROUPS = ("ray", "crash-walk", "chaos-baseline", "quickstart", "tests/chaos/test_learner_ranks.py",
                "tests/chaos/test_static_chaos.py", "tests/deploy/test_compose_local.py", "tests/coordinator/test_static.py")
 
 
