@@ -36,8 +36,7 @@ import grpc
 
 from rlmesh.rollout.v1 import rollout_pb2
 from services.common.crash_points import crash_point
-from services.coordinator.loop.run_state import ServiceEntry
-from services.coordinator.loop.weight_sync import WeightSyncError
+from services.coordinator.loop.run_state import ServiceEntry, WeightSyncError
 from services.coordinator.fleet.supervisor import RECOVERED_SAMPLES, REDONE_STEPS, SERVING, SYNCING, Instance, Supervisor
 
 # How long a failed call waits for the supervisor to see the death that caused it: a killed

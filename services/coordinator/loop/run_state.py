@@ -3,7 +3,8 @@
 `RunControl` is the one object the training loop and the control API share: the loop writes the
 step, phase and state into it and checks it between steps (pause, stop); the control servicer
 (services/coordinator/fleet/control.py) reads it and sets the requests. Everything runs on the
-coordinator's event loop, so no locks are needed. `Endpoints` is what the placement hands the loop.
+coordinator's event loop, so no locks are needed. `Endpoints` is what the placement hands the loop;
+`WeightSyncError` is a failed push as the fleet's recovery sees it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ import time
 
 from rlmesh.coordinator.v1 import coordinator_pb2 as pb
 from services.coordinator.loop.metrics import MetricsLog
+
+
+class WeightSyncError(RuntimeError):
+    """An engine does not hold the weights the learner pushed (the fleet's recovery tells it apart)."""
 
 
 @dataclasses.dataclass

@@ -25,16 +25,13 @@ from rlmesh.rollout.v1 import rollout_pb2
 from services.common.crash_points import crash_point
 from services.common.log import get_logger, log_event
 from services.common.tasks import gather_or_cancel
+from services.coordinator.loop.run_state import WeightSyncError
 
 _log = get_logger("coordinator")
 BACKENDS = {"gloo": rollout_pb2.WEIGHT_BACKEND_GLOO, "nccl": rollout_pb2.WEIGHT_BACKEND_NCCL,
             "ipc": rollout_pb2.WEIGHT_BACKEND_IPC}
 # How long the members of a group wait for each other at build time and in a collective.
 GROUP_TIMEOUT_S = 300.0
-
-
-class WeightSyncError(RuntimeError):
-    """An engine does not hold the weights the learner pushed."""
 
 
 class WeightSync:
