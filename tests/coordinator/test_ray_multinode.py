@@ -129,10 +129,35 @@ def test_job_the_cluster_cannot_hold_fails_in_bounded_time(cluster, tiny_model_d
     assert took < 120
 
 
-def test_guide_ppo_each_model_on_its_own_node(cluster, tiny_model_dir, tiny_reward_model_dir, tiny_data_dir,
-                                              tmp_path):
+def wait_for_step(proc: subprocess.Popen, log: pathlib.Path, ready_file: pathlib.Path, run: pathlib.Path,
+                  predicate, t0: float) -> pb.GetStatusResponse:
+    """Polls the job's control API (the job's log, relayed by `ray job submit`, lags) until `predicate`."""
+    while not ready_file.is_file():
+        assert proc.poll() is None and time.monotonic() - t0 < 600, log.read_text(errors="replace")[-8000:]
+        time.sleep(0.2)
+    address = json.loads(ready_file.read_text())["address"]
+    token = (run / "auth_token").read_text().strip()
+    with make_sync_channel(address, credentials=ClientCredentials(token=token), default_timeout_s=30) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        while True:
+            assert proc.poll() is None and time.monotonic() - t0 < 900, log.read_text(errors="replace")[-8000:]
+            status = stub.GetStatus(pb.GetStatusRequest(), timeout=30)
+            if predicate(status):
+                return status
+            time.sleep(0.03)
+
+
+def test_guide_ppo_each_model_on_its_own_node_and_a_lost_node_nothing_replaces(
+        cluster, tiny_model_dir, tiny_reward_model_dir, tiny_data_dir, tmp_path):
     """(a) The guide's 4-node PPO: reference, reward, actor (and its critic) and the rollout engines
-    each on a node of their own, two GPUs per role."""
+    each on a node of their own, two GPUs per role.
+
+    Then the guide's failed node when no node has room: the reward model's node is lost after step 1;
+    its bundle has nowhere to go, so the run stops within --ray_placement_timeout_s naming the bundle
+    and the cluster (not after a retry per --max_restarts). A node joins (the machine fixed or
+    replaced) and the same command with --load_checkpoint resumes from step 1's checkpoint: the reward
+    model on the new node, step 2 trained. The placement is asserted on that resumed job."""
+    ready_file = tmp_path / "control.json"
     argv = [*common_argv(tiny_model_dir, tiny_data_dir, tmp_path), "--reward_pretrain", str(tiny_reward_model_dir),
             "--advantage_estimator", "gae", "--train_batch_size", "8", "--micro_train_batch_size", "4",
             "--init_kl_coef", "0.01", "--actor_learning_rate", "1e-4", "--critic_learning_rate", "1e-3",
@@ -140,11 +165,45 @@ def test_guide_ppo_each_model_on_its_own_node(cluster, tiny_model_dir, tiny_rewa
             "--reward_num_nodes", "1", "--reward_num_gpus_per_node", "2",
             "--critic_num_nodes", "1", "--critic_num_gpus_per_node", "2",
             "--actor_num_nodes", "1", "--actor_num_gpus_per_node", "2",
-            "--vllm_num_engines", "2", "--vllm_tensor_parallel_size", "1"]
+            "--vllm_num_engines", "2", "--vllm_tensor_parallel_size", "1",
+            "--save_steps", "1", "--port", "0", "--ready_file", str(ready_file), "--max_restarts", "8"]
+    argv[argv.index("--ray_placement_timeout_s") + 1] = "30"
+    run = tmp_path / "run"
     t0 = time.monotonic()
-    code, output = submit(cluster, argv, tmp_path / "submit.log", timeout_s=900)
-    print(f"job (a) took {time.monotonic() - t0:.1f} s")
+    log_a = tmp_path / "submit-a.log"
+    proc = start_submit(cluster, argv, log_a)
+    joined = None
+    try:
+        status = wait_for_step(proc, log_a, ready_file, run, lambda s: s.global_step >= 1, t0)
+        lost = next(s.address for s in status.services if s.role == "reward").rpartition(":")[0]
+        cluster.kill(lost)
+        t_kill, killed_at = time.monotonic(), datetime.datetime.now(datetime.timezone.utc)
+        code = proc.wait(timeout=600)
+        stopped_s = time.monotonic() - t_kill
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        joined = cluster.join(gpus=2)  # the other tests plan on four worker nodes of two GPUs
+    output = log_a.read_text(errors="replace")
+    failed = re.search(r"(\S+Z) ERROR coordinator run\.failed", output)
+    assert code != 0 and failed, output[-8000:]
+    failed_s = (datetime.datetime.fromisoformat(failed.group(1)) - killed_at).total_seconds()
+    print(f"job (a) lost {lost} {t_kill - t0:.1f} s in; the run failed {failed_s:.1f} s later, the job ended "
+          f"{stopped_s:.1f} s later; {joined} joined")
+    assert re.search(r"reward-\d: no node took its bundle \(1 bundle\(s\) of \{\"CPU\": [\d.]+, \"GPU\": 1(?:\.0)?\} "
+                     r".*within --ray_placement_timeout_s 30 s; the cluster has 4 live node\(s\)", output), output[-8000:]
+    assert "resume with --load_checkpoint" in output
+    # The bound once, after Ray's notice of the loss and a first restart that fails with the lost
+    # actor; not once per restart of --max_restarts 8 (8 x 30 s).
+    assert failed_s < 150, failed_s
+    assert [r["global_step"] for r in read_metrics(run)] == [1]
+
+    t0 = time.monotonic()
+    ready_file.unlink(missing_ok=True)
+    code, output = submit(cluster, [*argv, "--load_checkpoint"], tmp_path / "submit-b.log", timeout_s=900)
+    print(f"job (a) resumed in {time.monotonic() - t0:.1f} s")
     assert code == 0 and "succeeded" in output, output[-8000:]
+    assert "resume.loaded step=1" in output
     run = tmp_path / "run"
     records = read_metrics(run)
     assert [r["global_step"] for r in records] == [1, 2]
@@ -170,6 +229,7 @@ def test_guide_ppo_each_model_on_its_own_node(cluster, tiny_model_dir, tiny_rewa
         log = (run / "logs" / f"{service}.log").read_text(errors="replace")
         assert "NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1 GLOO_SOCKET_IFNAME=lo" in log, service
     assert f"ray.service_ready service=ref-0 address={node_of_role['ref']}:" in output
+    assert joined in node_of_role.values(), (node_of_role, joined)  # the new node took a role
 
 
 def test_guide_hybrid_engine_over_two_nodes_one_of_them_lost(cluster, tiny_model_dir, tiny_data_dir, tmp_path):

@@ -11,6 +11,7 @@ import ray
 from ray.util.placement_group import placement_group_table
 
 from services.coordinator.fleet.launcher import ServiceStartError
+from services.coordinator.fleet.supervisor import NoRoom
 
 
 def describe_bundles(bundles: list[dict]) -> str:
@@ -43,7 +44,7 @@ async def actor_node(actor, group, index: int, name: str, group_role: str, place
         unplaced_since = None if bundle_has_live_node(group, index) else (unplaced_since or now)
         if unplaced_since is not None and now - unplaced_since >= placement_timeout_s:
             call.cancel()
-            raise ServiceStartError(
+            raise NoRoom(
                 f"{name}: no node took its bundle ({describe_bundles([group.bundle_specs[index]])} of {group_role}) "
                 f"within --ray_placement_timeout_s {placement_timeout_s:.0f} s; {cluster_summary()}. Its node was lost "
                 "or is full: add a node (`ray start --address HEAD:6379`), then resume with --load_checkpoint")

@@ -45,7 +45,8 @@ from services.coordinator.config import CoordinatorConfig
 from services.coordinator.fleet.launcher import ServiceStartError, log_tail, spawn_service, wait_until_ready
 from services.coordinator.fleet.placement import (Endpoints, ServiceSpec, learner_argv, reward_argv, role_instances,
                                             rollout_argv, scaled_spec)
-from services.coordinator.fleet.ray_cluster import actor_node, cluster_summary, describe_bundles, live_node_ips
+from services.coordinator.fleet.ray_cluster import (actor_node, bundle_has_live_node, cluster_summary, describe_bundles,
+                                                  live_node_ips)
 
 _log = get_logger("coordinator")
 # Set on the driver, they reach every service on every node (the guide sets them before `ray start`;
@@ -498,16 +499,22 @@ class RayPlacement:
         tmp.write_text(json.dumps(targets, indent=1))
         os.replace(tmp, path)
 
-    async def _copy_logs(self) -> None:
-        """Appends what the services on other nodes wrote since the last copy to run_dir/logs/<name>.log."""
-        for p in list(self.placed):
-            if not p.node_ip or p.node_ip == self._driver_ip or p.actor is None:
-                continue
-            key = (p.spec.name, p.node_ip)
+    async def _copy_logs(self, live_only: bool = False) -> None:
+        """Appends what the services on other nodes wrote since the last copy to run_dir/logs/<name>.log
+        (live_only: only from actors whose bundle has a live node, the others being asked not at all)."""
+        remote = [p for p in list(self.placed) if p.node_ip and p.node_ip != self._driver_ip and p.actor is not None
+                  and (not live_only or bundle_has_live_node(*p.bundles[0]))]
+
+        async def chunk_of(p: Placed) -> bytes:
             try:
-                chunk = await asyncio.wait_for(p.actor.log_chunk.remote(self._log_offsets.get(key, 0)), 30)
+                return await asyncio.wait_for(p.actor.log_chunk.remote(self._log_offsets.get((p.spec.name, p.node_ip), 0)),
+                                              30)
             except (asyncio.TimeoutError, ray.exceptions.RayError):
-                continue  # a dead node's last lines are lost with it; its restart logs anew
+                return b""  # a dead node's last lines are lost with it; its restart logs anew
+
+        # At once: an actor whose node was lost answers only at the timeout.
+        for p, chunk in zip(remote, await asyncio.gather(*(chunk_of(p) for p in remote))):
+            key = (p.spec.name, p.node_ip)
             if chunk:
                 self._log_offsets[key] = self._log_offsets.get(key, 0) + len(chunk)
                 log_dir = pathlib.Path(self._log_dir)
@@ -543,13 +550,16 @@ class RayPlacement:
             return
         if self._mirror is not None:
             self._mirror.cancel()
-        stops = [p.actor.stop.remote(30.0) for p in self.placed if p.actor is not None]
+        # An actor whose bundle has no live node (its node was lost, nothing took the bundle) would
+        # never answer: it is killed below without being asked.
+        stops = [p.actor.stop.remote(30.0) for p in self.placed
+                 if p.actor is not None and bundle_has_live_node(*p.bundles[0])]
         if stops:
             try:
                 await asyncio.wait_for(asyncio.gather(*stops, return_exceptions=True), 60.0)
             except asyncio.TimeoutError:
                 log_event(_log, "ray.stop_timeout", action="killing the actors")
-        await self._copy_logs()  # the last lines, written while the services stopped
+        await self._copy_logs(live_only=True)  # the last lines, written while the services stopped
         for p in self.placed:
             if p.actor is not None:
                 ray.kill(p.actor)

@@ -278,6 +278,12 @@ class Recovery:
             if self.learner_restarted:
                 self.t.reconnect_learner(self.sup.instances["learner"].address)
                 self.learner_restarted = False
+            # A restarted engine takes part in the start-up again like the others: its weights are
+            # checked (checksum) or pushed there, as theirs are.
+            for engine in self._members():
+                if engine.syncing:
+                    engine.syncing, engine.healthy = False, True
+                    self._instance_of(engine).state = SERVING
             self.members.drop_weight_group()
             self.members.use_rendezvous(await self.sup.placement.weight_sync_master(self.members.current_endpoints()))
 

@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 import prometheus_client
 
 from services.common.log import get_logger, log_event
+from services.common.ready_file import ServiceStartError
 
 _log = get_logger("coordinator")
 
@@ -52,6 +53,11 @@ RECOVERED_SAMPLES = prometheus_client.Counter(
 
 class ServiceFailed(RuntimeError):
     """An instance died more often than --max_restarts allows (or could not be started again)."""
+
+
+class NoRoom(ServiceStartError):
+    """A restart that no retry can help: the placement has nowhere to put the instance (a lost node's
+    bundle that no node took within the bound). The run stops with it at once."""
 
 
 @dataclasses.dataclass
@@ -162,6 +168,10 @@ class Supervisor:
             t0 = time.monotonic()
             try:
                 address = await self.placement.restart(instance.name)
+            except NoRoom as exc:
+                instance.state, instance.last_death = DEAD, f"restart failed: {exc}"
+                self._give_up(instance, f"could not be restarted: {exc}")
+                break
             except Exception as exc:  # noqa: BLE001 - a failed start uses a restart of the budget, then retries
                 instance.last_death = f"restart failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
                 instance.state = DEAD
@@ -194,6 +204,30 @@ class Supervisor:
                 except asyncio.TimeoutError:
                     pass
         self.raise_if_failed()
+
+    async def run_unless_failed(self, work: Awaitable):
+        """Awaits `work`, stopping it as soon as an instance gives up (ServiceFailed raised): whatever
+        the loop waits on then (a scoring call's wait for an instance, a step's generation) would only
+        time out later with a vaguer error."""
+        task = asyncio.ensure_future(work)
+        failed = asyncio.ensure_future(self._wait_failed())
+        try:
+            await asyncio.wait({task, failed}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise
+        finally:
+            failed.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            self.raise_if_failed()
+        return task.result()
+
+    async def _wait_failed(self) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.fatal is not None)
 
     def raise_if_failed(self) -> None:
         if self.fatal is not None:

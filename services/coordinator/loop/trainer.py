@@ -143,9 +143,10 @@ class Trainer(RunCheckpoints):
                                "has none; start it with --critic_pretrain")
         if self.agents is not None:
             await self.agents.start()  # a file that does not load stops the run here, before any step
-        infos = await self.pool.model_infos()
+        engines = self.pool.admitted()
+        infos = await self.pool.model_infos(engines)
         self.weights.weights_dtype = infos[0].weights_dtype or common_pb2.DTYPE_FLOAT32
-        for engine, info in zip(self.pool.engines, infos):
+        for engine, info in zip(engines, infos):
             engine.weight_version = info.weight_version
             engine.tensor_parallel_size = max(1, info.tensor_parallel_size)
         if resume:
