@@ -474,11 +474,34 @@ def open_weight_group(backend: str, master_address: str, master_port: int, world
             time.sleep(0.2)
 
 
+# The learner's rendezvous store of the newest weight group, kept for the next group on the same
+# address: a fixed --weight_sync_master port is not bound again. A group abandoned mid-broadcast (its
+# caller died) holds its store until the group's timeout, so a new store on that port would wait that
+# long; each group's keys live under its name, so one store serves every group of another name (the
+# coordinator names each group anew). A name seen before on it gets a new store, as the old keys
+# would answer its rendezvous.
+_MASTER_STORE: dict[tuple[str, int], tuple[torch.distributed.TCPStore, set[str]]] = {}
+
+
+def _master_store(host: str, port: int, world_size: int, group_name: str,
+                  timeout: datetime.timedelta) -> torch.distributed.TCPStore:
+    store, names = _MASTER_STORE.get((host, port), (None, set()))
+    if store is None or group_name in names:
+        _MASTER_STORE.clear()  # one at a time: the groups of an older store no longer need it from here
+        store, names = rendezvous.store(host, port, world_size, is_master=True, timeout=timeout), set()
+        _MASTER_STORE[(host, port)] = (store, names)
+    names.add(group_name)
+    return store
+
+
 def _join_weight_group(backend: str, master_address: str, master_port: int, world_size: int, rank: int,
                        group_name: str, timeout_s: float) -> WeightGroup:
     timeout = datetime.timedelta(seconds=timeout_s)
     # On one machine (a loopback master) the store and gloo listen on loopback only.
-    store = rendezvous.store(master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout)
+    if rank == 0 and master_port:
+        store = _master_store(master_address, master_port, world_size, group_name, timeout)
+    else:
+        store = rendezvous.store(master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout)
     prefixed = torch.distributed.PrefixStore(group_name, store)
     if backend == "gloo":
         process_group = rendezvous.gloo_group(prefixed, rank, world_size, timeout, master_address)

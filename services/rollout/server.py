@@ -163,6 +163,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.asleep: set[str] = set()
         self.sleep_level = 0
         self.frozen = False  # running requests frozen by a partial-rollout push until its final chunk
+        self._generating: set[asyncio.Task] = set()  # the tasks of the Generate calls under way
         metrics.WEIGHT_VERSION.set(0)
         metrics.WEIGHTS_READY.set(1)
         metrics.RUNNING_SAMPLES.set_function(engine.running_samples)
@@ -197,19 +198,33 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                               max_tokens=sampling.max_tokens, weight_version=version)
                     await hold_points.hold("rollout.generate.started", tag)
                     done = 0
+                    task = asyncio.current_task()
+                    self._generating.add(task)
                     try:
                         async with contextlib.aclosing(self.engine.generate(specs, sampling)) as results:
                             async for result in results:
                                 done += 1
                                 yield self._response(result, prompts[result.spec.prompt_index], version,
                                                      sampling.logprobs)
+                    except asyncio.CancelledError:
+                        self._check_engine_alive()  # cancelled by fail_generating: the caller hears why
+                        raise
                     except Exception:
                         self._check_engine_alive()  # a dead engine is UNAVAILABLE, not a bad request
                         raise
+                    finally:
+                        self._generating.discard(task)
                     log_event(log, "generate.done", request_id=tag, samples=done)
             finally:
                 if waiting:
                     metrics.WAITING_REQUESTS.dec()
+
+    def fail_generating(self) -> None:
+        """The engine died: every Generate under way stops now with UNAVAILABLE and the reason. A call
+        whose requests reached the engine after its output handler failed would otherwise wait for
+        outputs that never come, until the shutdown's grace ends in a bare cancellation."""
+        for task in list(self._generating):
+            task.cancel()
 
     def _check_engine_alive(self) -> None:
         if self.engine.is_dead():
@@ -458,7 +473,7 @@ async def build(runner: ServiceRunner, config: RolloutConfig) -> None:
     tokenizer = AutoTokenizer.from_pretrained(config.pretrain, trust_remote_code=config.trust_remote_code)
     servicer = RolloutServicer(config, engine, tokenizer, digests, runner.set_serving)
     runner.add(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, servicer, SERVICE_NAME)
-    watch = asyncio.get_running_loop().create_task(exit_when_engine_dies(engine, runner))
+    watch = asyncio.get_running_loop().create_task(exit_when_engine_dies(engine, runner, servicer.fail_generating))
     runner.on_shutdown.append(watch.cancel)  # first: an engine shut down on purpose is not a death
     runner.on_shutdown.append(engine.shutdown)
     f = engine.facts
@@ -466,7 +481,7 @@ async def build(runner: ServiceRunner, config: RolloutConfig) -> None:
               checksum=servicer.checksum, seconds=f"{time.perf_counter() - start:.1f}")
 
 
-async def exit_when_engine_dies(engine: Engine, runner: ServiceRunner) -> None:
+async def exit_when_engine_dies(engine: Engine, runner: ServiceRunner, fail_generating=lambda: None) -> None:
     """Once the engine is dead, reports NOT_SERVING and stops the service with ENGINE_DEAD_EXIT_CODE.
 
     vLLM's AsyncLLM watches its engine-core process on a thread of its own and marks itself
@@ -481,4 +496,5 @@ async def exit_when_engine_dies(engine: Engine, runner: ServiceRunner) -> None:
               "died; see the lines above); the service reports NOT_SERVING and exits so that its supervisor "
               "restarts it")
     runner.set_serving(False)
+    fail_generating()
     runner.request_stop(exit_code=ENGINE_DEAD_EXIT_CODE, grace_s=ENGINE_DEAD_GRACE_S)

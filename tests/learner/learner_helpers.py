@@ -180,12 +180,14 @@ class WeightListener:
     """tests/learner/weight_listener.py as a process: one receiver rank of the weight group."""
 
     def __init__(self, tmp: pathlib.Path, world_size: int = 2, rank: int = 1, port: int | None = None,
-                 ipc: bool = False):
+                 ipc: bool = False, group_name: str = "rlmesh-weights"):
         self.port = port or get_free_port()
+        self.group_name = group_name
         self.out = tmp / f"received-{time.monotonic_ns()}.pt"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.learner.weight_listener", "--port", str(self.port), "--world_size",
-             str(world_size), "--rank", str(rank), "--out", str(self.out), *(["--ipc"] if ipc else [])],
+             str(world_size), "--rank", str(rank), "--out", str(self.out), "--group_name", group_name,
+             *(["--ipc"] if ipc else [])],
             cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def expect(self, prefix: str) -> str:
@@ -207,7 +209,8 @@ class WeightListener:
 
 def init_transfer(stub, listener: WeightListener, backend=rollout_pb2.WEIGHT_BACKEND_GLOO) -> None:
     stub.InitWeightTransfer(pb.InitWeightTransferRequest(
-        backend=backend, master_address="127.0.0.1", master_port=listener.port, world_size=2, timeout_s=120),
+        backend=backend, master_address="127.0.0.1", master_port=listener.port, world_size=2, timeout_s=120,
+        group_name=listener.group_name),
         timeout=180)
     listener.expect("JOINED")
 

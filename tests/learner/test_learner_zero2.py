@@ -266,11 +266,13 @@ def test_a_push_to_a_vanished_engine_fails_and_the_learner_keeps_serving(learner
     assert learner.stub.GetInfo(pb.GetInfoRequest(), timeout=10).weight_version == version  # the failed push counts not
 
 
-def test_a_push_whose_caller_died_mid_chunk_frees_the_learner_at_once(learner, tmp_path):
+@pytest.mark.parametrize("rendezvous", ["new_port", "same_port"])
+def test_a_push_whose_caller_died_mid_chunk_frees_the_learner_at_once(learner, tmp_path, rendezvous):
     """The coordinator takes a chunk and dies before any engine asks for it (UpdateWeights): the
     learner's broadcast waits for receivers that never come. It gives that broadcast up when the
     call goes, so a new group and push (the coordinator's rerun) run within seconds, not after the
-    group's timeout (120 s here, 300 s in a run)."""
+    group's timeout (120 s here, 300 s in a run); also on the same rendezvous port (a fixed
+    --weight_sync_master), which the abandoned group still holds: the learner keeps its store."""
     stale = WeightListener(tmp_path)
     try:
         init_transfer(learner.stub, stale)
@@ -279,7 +281,9 @@ def test_a_push_whose_caller_died_mid_chunk_frees_the_learner_at_once(learner, t
         assert next(call).HasField("chunk")  # the chunk is out; the "coordinator" now goes away
         call.cancel()
         t0 = time.monotonic()
-        fresh = WeightListener(tmp_path)
+        # A new group's name, as the coordinator gives each group one.
+        fresh = (WeightListener(tmp_path, port=stale.port, group_name="rlmesh-weights-rerun")
+                 if rendezvous == "same_port" else WeightListener(tmp_path))
         try:
             init_transfer(learner.stub, fresh)
             done, _, checksum, _ = push_weights(learner.stub, fresh, version=21)
