@@ -27,6 +27,7 @@ from rlmesh.coordinator.v1 import coordinator_pb2_grpc
 from services.common.client import make_sync_channel
 from services.common.security import ClientCredentials
 from services.coordinator.fleet.local_cluster import LocalCluster, free_port
+from tests.chaos.harness import Holds
 from tests.coordinator.conftest import REPO, read_metrics, service_env
 
 HEAD = "127.0.0.2"
@@ -56,10 +57,13 @@ def cluster(tmp_path_factory):
         shutil.rmtree(local.folder, ignore_errors=True)
 
 
-def start_submit(cluster: LocalCluster, argv: list[str], log: pathlib.Path) -> subprocess.Popen:
-    """`ray job submit` as the guide types it, its output (the job's log) going to `log`."""
+def start_submit(cluster: LocalCluster, argv: list[str], log: pathlib.Path,
+                 env_vars: dict[str, str] | None = None) -> subprocess.Popen:
+    """`ray job submit` as the guide types it, its output (the job's log) going to `log`; `env_vars`
+    in the job's runtime env reach its actors and the services they start."""
+    runtime_env = {"working_dir": str(REPO), **({"env_vars": env_vars} if env_vars else {})}
     command = [sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", cluster.dashboard_url,
-               "--runtime-env-json", json.dumps({"working_dir": str(REPO)}), "--",
+               "--runtime-env-json", json.dumps(runtime_env), "--",
                "python3", "-m", "services.coordinator.train_ppo_ray", *argv]
     with open(log, "wb") as out:
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
@@ -152,11 +156,14 @@ def test_guide_ppo_each_model_on_its_own_node_and_a_lost_node_nothing_replaces(
     """(a) The guide's 4-node PPO: reference, reward, actor (and its critic) and the rollout engines
     each on a node of their own, two GPUs per role.
 
-    Then the guide's failed node when no node has room: the reward model's node is lost after step 1;
-    its bundle has nowhere to go, so the run stops within --ray_placement_timeout_s naming the bundle
-    and the cluster (not after a retry per --max_restarts). A node joins (the machine fixed or
-    replaced) and the same command with --load_checkpoint resumes from step 1's checkpoint: the reward
-    model on the new node, step 2 trained. The placement is asserted on that resumed job."""
+    Then the guide's failed node when no node has room: the reward model's node is lost while step 2
+    generates (held there: a hold point on rollout-0); its bundle has nowhere to go, so the run stops
+    within --ray_placement_timeout_s naming the bundle and the cluster (not after a retry per
+    --max_restarts). A node joins (the machine fixed or replaced) and the same command with
+    --load_checkpoint resumes from step 1's checkpoint. In that job the reward model's node is lost
+    again while step 2 generates, and a node joins right after: the lost bundles go to it within the
+    bound, the reward model serves there and the run ends by itself. The placement is asserted on
+    that resumed job."""
     ready_file = tmp_path / "control.json"
     argv = [*common_argv(tiny_model_dir, tiny_data_dir, tmp_path), "--reward_pretrain", str(tiny_reward_model_dir),
             "--advantage_estimator", "gae", "--train_batch_size", "8", "--micro_train_batch_size", "4",
@@ -171,10 +178,13 @@ def test_guide_ppo_each_model_on_its_own_node_and_a_lost_node_nothing_replaces(
     run = tmp_path / "run"
     t0 = time.monotonic()
     log_a = tmp_path / "submit-a.log"
-    proc = start_submit(cluster, argv, log_a)
+    step2 = "rollout.generate.started@rollout-0:step2"
+    holds = Holds(tmp_path / "holds-a", step2)
+    proc = start_submit(cluster, argv, log_a, holds.env())
     joined = None
     try:
-        status = wait_for_step(proc, log_a, ready_file, run, lambda s: s.global_step >= 1, t0)
+        holds.wait(step2, proc, timeout_s=600)
+        status = wait_for_step(proc, log_a, ready_file, run, lambda s: True, t0)
         lost = next(s.address for s in status.services if s.role == "reward").rpartition(":")[0]
         cluster.kill(lost)
         t_kill, killed_at = time.monotonic(), datetime.datetime.now(datetime.timezone.utc)
@@ -200,10 +210,34 @@ def test_guide_ppo_each_model_on_its_own_node_and_a_lost_node_nothing_replaces(
 
     t0 = time.monotonic()
     ready_file.unlink(missing_ok=True)
-    code, output = submit(cluster, [*argv, "--load_checkpoint"], tmp_path / "submit-b.log", timeout_s=900)
-    print(f"job (a) resumed in {time.monotonic() - t0:.1f} s")
+    log_b = tmp_path / "submit-b.log"
+    holds = Holds(tmp_path / "holds-b", step2)
+    proc = start_submit(cluster, [*argv, "--load_checkpoint"], log_b, holds.env())
+    lost_again = joined = None
+    try:
+        holds.wait(step2, proc, timeout_s=600)
+        status = wait_for_step(proc, log_b, ready_file, run, lambda s: True, t0)
+        lost_again = next(s.address for s in status.services if s.role == "reward").rpartition(":")[0]
+        cluster.kill(lost_again)
+        killed_at = datetime.datetime.now(datetime.timezone.utc)
+        joined = cluster.join(gpus=2)  # within the bound: the run goes on
+        holds.release(step2)
+        code = proc.wait(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if lost_again is not None and joined is None:
+            cluster.join(gpus=2)
+    output = log_b.read_text(errors="replace")
+    print(f"job (a) resumed, lost {lost_again} during step 2 and got {joined}; it took {time.monotonic() - t0:.1f} s")
     assert code == 0 and "succeeded" in output, output[-8000:]
     assert "resume.loaded step=1" in output
+    back = {}  # the reward instances: seconds from the loss to serving again on the new node
+    for when, service in re.findall(r"(\S+Z) INFO coordinator service\.restarted service=(reward-\d) ", output):
+        back[service] = round((datetime.datetime.fromisoformat(when) - killed_at).total_seconds(), 1)
+    print(f"reward instances back after the loss (s): {back}")
+    # At least the one the step's scoring waited for (the run may end before the other is back).
+    assert back, output[-8000:]
     run = tmp_path / "run"
     records = read_metrics(run)
     assert [r["global_step"] for r in records] == [1, 2]
@@ -211,25 +245,32 @@ def test_guide_ppo_each_model_on_its_own_node_and_a_lost_node_nothing_replaces(
     for r in records:
         assert r["critic/value_loss"] > 0 and r["actor/grad_norm"] > 0 and r["critic/grad_norm"] > 0
     assert abs(records[1]["critic/values_mean"] - records[0]["critic/values_mean"]) > 1e-3
-    nodes = nodes_of(run, output)
+    nodes = nodes_of(run, output)  # where each instance runs now
+    placed_first = {}  # where the resumed job put each instance at its start
+    for service, node in re.findall(SERVICE_NODE, output):
+        placed_first.setdefault(service, node)
     roles = {"actor": ["learner", "learner-rank1"], "rollout": ["rollout-0", "rollout-1"],
              "reward": ["reward-0", "reward-1"], "ref": ["ref-0", "ref-1"]}
     node_of_role = {}
     for role, services in roles.items():
-        held = {nodes[s] for s in services}
-        assert len(held) == 1, (role, nodes)  # a role's two GPUs are on one node
+        held = {placed_first[s] for s in services}
+        assert len(held) == 1, (role, placed_first)  # a role's two GPUs are on one node
         node_of_role[role] = held.pop()
     # Four roles, four nodes, none on the head (a node lost by another test was replaced by a new one).
-    assert sorted(node_of_role.values()) == sorted(set(cluster.alive_nodes()) - {HEAD}), node_of_role
-    for service, node in nodes.items():
+    assert len(set(node_of_role.values())) == 4 and HEAD not in node_of_role.values(), node_of_role
+    assert node_of_role["reward"] == lost_again
+    # The restarted reward instances run on the node that joined, the one node with room.
+    assert all(nodes[s] == joined for s in back), (nodes, joined)
+    # (An instance left on the lost node took its last log lines with it: only the living are read.)
+    living = {service: node for service, node in nodes.items() if node != lost_again}
+    for service, node in living.items():
         if service != "learner-rank1":  # rank 1 serves no gRPC; rank 0 drives it
             assert bound_address(run, service) == node, service
     # The driver's NCCL / gloo settings reached the services on other nodes.
-    for service in nodes:
+    for service in living:
         log = (run / "logs" / f"{service}.log").read_text(errors="replace")
         assert "NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1 GLOO_SOCKET_IFNAME=lo" in log, service
     assert f"ray.service_ready service=ref-0 address={node_of_role['ref']}:" in output
-    assert joined in node_of_role.values(), (node_of_role, joined)  # the new node took a role
 
 
 def test_guide_hybrid_engine_over_two_nodes_one_of_them_lost(cluster, tiny_model_dir, tiny_data_dir, tmp_path):
@@ -237,12 +278,12 @@ def test_guide_hybrid_engine_over_two_nodes_one_of_them_lost(cluster, tiny_model
     engine on the node of the actor rank whose GPU it shares; every address one node gives another
     (gRPC, the learner's rendezvous, the weight-sync group) is that node's own.
 
-    Then the guide's node failure: while step 2 generates, the node of ranks 0 and 1 is killed as a lost
+    Then the guide's node failure: while step 2 trains, the node of ranks 0 and 1 is killed as a lost
     machine, and with it the learner's gRPC server and rendezvous, the engines sharing the two GPUs and
     the reward + reference instance. Ray moves its bundles to a node with room; every learner rank
     restarts there or in place around a new rendezvous, loads the newest checkpoint, the lost engines
-    start on the new node and get the current weights before they generate, the step's scoring waits
-    for the restarted reward + reference instance, and the run ends with every step, each trained on as
+    start on the new node and get the current weights before they generate, the redone step's scoring
+    waits for the restarted reward + reference instance, and the run ends with every step, each trained on as
     many samples as without the loss. The cluster gets a node back for the other tests."""
     argv = [*common_argv(tiny_model_dir, tiny_data_dir, tmp_path), "--advantage_estimator", "group_norm",
             "--n_samples_per_prompt", "2", "--train_batch_size", "16", "--micro_train_batch_size", "4",
@@ -256,24 +297,14 @@ def test_guide_hybrid_engine_over_two_nodes_one_of_them_lost(cluster, tiny_model
     run = tmp_path / "run"
     log = tmp_path / "submit.log"
     t0 = time.monotonic()
-    proc = start_submit(cluster, argv, log)
+    # The moment: the learner has taken step 2's training (held there by a test-only hold point).
+    training = "learner.train.started@learner:step2"
+    holds = Holds(tmp_path / "holds", training)
+    proc = start_submit(cluster, argv, log, holds.env())
     lost, joined = None, None
     try:
-        # The moment comes from the run's control API (the job's log, relayed by `ray job submit`, lags):
-        # step 1 done and step 2 generating. The learner's address is on rank 0's node.
-        while not (tmp_path / "control.json").is_file():
-            assert proc.poll() is None and time.monotonic() - t0 < 600, log.read_text(errors="replace")[-8000:]
-            time.sleep(0.2)
-        address = json.loads((tmp_path / "control.json").read_text())["address"]
-        token = (run / "auth_token").read_text().strip()
-        with make_sync_channel(address, credentials=ClientCredentials(token=token), default_timeout_s=30) as channel:
-            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-            while True:
-                assert proc.poll() is None and time.monotonic() - t0 < 900, log.read_text(errors="replace")[-8000:]
-                status = stub.GetStatus(pb.GetStatusRequest(), timeout=30)
-                if status.global_step >= 1 and status.phase == pb.PHASE_GENERATING:
-                    break
-                time.sleep(0.03)
+        holds.wait(training, proc, timeout_s=600)
+        status = wait_for_step(proc, log, tmp_path / "control.json", run, lambda s: True, t0)
         lost = next(s.address for s in status.services if s.role == "learner").rpartition(":")[0]
         killed = cluster.kill(lost)
         t_kill, killed_at = time.monotonic(), datetime.datetime.now(datetime.timezone.utc)
@@ -293,10 +324,10 @@ def test_guide_hybrid_engine_over_two_nodes_one_of_them_lost(cluster, tiny_model
     assert [r["global_step"] for r in records] == [1, 2, 3]
     assert all(r["samples/trained"] == 16 for r in records), records
     assert "rollout.sleep_unsupported" in output  # the hf engine said so; the run carried on
-    # The learner went back to its newest checkpoint: step 1 (lost in step 2) or step 2 (lost after it).
+    # The learner went back to its newest checkpoint: step 1's (lost in step 2's training).
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     rewinds = [(e["from_step"], e["to_step"]) for e in events if e["event"] == "learner.rewound"]
-    assert rewinds and all(to >= 1 and frm - to <= 1 for frm, to in rewinds), rewinds
+    assert rewinds and rewinds[0] == (1, 1) and all(frm - to <= 1 for frm, to in rewinds), rewinds
     replaced = set(re.findall(r"ray\.actor_replaced service=(\S+)", output))
     assert ON_RANK0_NODE <= replaced, replaced
     back = {}  # service -> seconds from the loss to its start on a live node (rank 0: serving)
@@ -305,7 +336,7 @@ def test_guide_hybrid_engine_over_two_nodes_one_of_them_lost(cluster, tiny_model
         after = (datetime.datetime.fromisoformat(when) - killed_at).total_seconds()
         if after > 0:
             back[service] = round(after, 1)
-    print(f"back after the loss of {lost} during step {status.global_step + 1}'s generation (s): {back}")
+    print(f"back after the loss of {lost} during step 2's training (s): {back}")
     assert ON_RANK0_NODE | {"learner-rank2", "learner-rank3"} <= back.keys(), back
 
     nodes = nodes_of(run, output)  # where every instance runs now
