@@ -206,11 +206,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                                 done += 1
                                 yield self._response(result, prompts[result.spec.prompt_index], version,
                                                      sampling.logprobs)
-                    except asyncio.CancelledError:
-                        self._check_engine_alive()  # cancelled by fail_generating: the caller hears why
-                        raise
-                    except Exception:
-                        self._check_engine_alive()  # a dead engine is UNAVAILABLE, not a bad request
+                    except (asyncio.CancelledError, Exception):
+                        # A dead engine is UNAVAILABLE with the reason, not a bad request or a bare
+                        # cancellation (fail_generating cancels the calls under way when it dies).
+                        self._check_engine_alive()
                         raise
                     finally:
                         self._generating.discard(task)
