@@ -1,0 +1,37 @@
+"""LoRA in the learner (services/learner/lora.py): the adapter's names, what trains, what stays frozen."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+from services.learner.lora import LoraOptions, adapter_state, apply_lora, engine_name, scaling
+
+
+def test_engine_names_drop_the_peft_prefix_and_the_adapter_name():
+    assert engine_name("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight") == \
+        "model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert engine_name("base_model.model.model.layers.3.mlp.down_proj.lora_B.default.weight") == \
+        "model.layers.3.mlp.down_proj.lora_B.weight"
+    assert engine_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight") is None
+    assert engine_name("base_model.model.score.modules_to_save.default.weight") is None
+    assert scaling(LoraOptions(rank=8, alpha=16)) == 2.0
+
+
+def test_adapter_state_is_exactly_the_trainable_adapter(tiny_model_dir):
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    n_layers = model.config.num_hidden_layers
+    peft_model = apply_lora(model, LoraOptions(rank=4, alpha=8, target_modules=("q_proj", "v_proj")))
+    state = adapter_state(peft_model)
+    expected = [f"model.layers.{i}.self_attn.{m}.lora_{ab}.weight"
+                for i in range(n_layers) for m in ("q_proj", "v_proj") for ab in "AB"]
+    assert [name for name, _ in state] == expected
+    trainable = {id(p) for p in peft_model.parameters() if p.requires_grad}
+    assert trainable == {id(p) for _, p in state}
+    hidden = model.config.hidden_size
+    shapes = dict((n, tuple(p.shape)) for n, p in state)
+    assert shapes["model.layers.0.self_attn.q_proj.lora_A.weight"] == (4, hidden)
+    # B starts at zero: the adapted model's first forward is the base model's.
+    ids = torch.tensor([[1, 5, 9, 12]])
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    torch.testing.assert_close(peft_model(input_ids=ids).logits, reference(input_ids=ids).logits)
