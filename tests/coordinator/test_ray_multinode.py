@@ -32,8 +32,9 @@ from tests.coordinator.conftest import REPO, read_metrics, service_env
 
 HEAD = "127.0.0.2"
 WORKERS = ["127.0.0.3", "127.0.0.4", "127.0.0.5", "127.0.0.6"]
-# What the hybrid job's rank-0 node holds: ranks 0 and 1, the engines on their GPUs, reward + reference.
-ON_RANK0_NODE = {"learner", "learner-rank1", "rollout-0", "rollout-1", "reward-ref-0"}
+# What the hybrid job's rank-0 node holds: ranks 0 and 1, the engine sharding over their two GPUs
+# (tensor parallel 2), reward + reference.
+ON_RANK0_NODE = {"learner", "learner-rank1", "rollout-0", "reward-ref-0"}
 SERVICE_NODE = r"ray\.service_(?:started|ready) service=(\S+) address=\S+ node=(\S+)"  # the coordinator's log
 
 
@@ -274,8 +275,10 @@ def test_guide_ppo_each_model_on_its_own_node_and_a_lost_node_nothing_replaces(
 
 
 def test_guide_hybrid_engine_over_two_nodes_one_of_them_lost(cluster, tiny_model_dir, tiny_data_dir, tmp_path):
-    """(b) + (c) The hybrid engine over two nodes: the actor's four ranks split over two nodes, each
-    engine on the node of the actor rank whose GPU it shares; every address one node gives another
+    """(b) + (c) The hybrid engine over two nodes as the guide writes it: the actor's four ranks split
+    over two nodes, two vLLM engines of tensor parallel 2 (actor_num_nodes x actor_num_gpus_per_node ==
+    vllm_num_engines x vllm_tensor_parallel_size), each on the node of the two actor ranks whose GPUs
+    it shares, its two workers joining the weight-sync group; every address one node gives another
     (gRPC, the learner's rendezvous, the weight-sync group) is that node's own.
 
     Then the guide's node failure: while step 2 trains, the node of ranks 0 and 1 is killed as a lost
@@ -289,8 +292,8 @@ def test_guide_hybrid_engine_over_two_nodes_one_of_them_lost(cluster, tiny_model
             "--n_samples_per_prompt", "2", "--train_batch_size", "16", "--micro_train_batch_size", "4",
             "--reward_func", "math", "--label_key", "label", "--init_kl_coef", "0.01",
             "--colocate_all_models", "--vllm_enable_sleep", "--deepspeed_enable_sleep",
-            "--actor_num_nodes", "2", "--actor_num_gpus_per_node", "2",
-            "--vllm_num_engines", "4", "--vllm_tensor_parallel_size", "1",
+            "--actor_num_nodes", "2", "--actor_num_gpus_per_node", "2", "--rollout_engine", "vllm",
+            "--vllm_num_engines", "2", "--vllm_tensor_parallel_size", "2",
             "--critic_num_nodes", "0", "--critic_num_gpus_per_node", "0", "--reward_num_nodes", "0",
             "--reward_num_gpus_per_node", "0", "--ref_num_nodes", "0", "--ref_num_gpus_per_node", "0",
             "--max_steps", "3", "--save_steps", "1", "--port", "0", "--ready_file", str(tmp_path / "control.json")]
@@ -323,7 +326,9 @@ def test_guide_hybrid_engine_over_two_nodes_one_of_them_lost(cluster, tiny_model
     records = read_metrics(run)
     assert [r["global_step"] for r in records] == [1, 2, 3]
     assert all(r["samples/trained"] == 16 for r in records), records
-    assert "rollout.sleep_unsupported" in output  # the hf engine said so; the run carried on
+    assert "rollout.sleep_unsupported" in output  # vLLM on the CPU said so; the run carried on
+    # Rank 0 and the four engine workers (two engines x tensor parallel 2), at start-up and after the loss.
+    assert output.count("weights.group_ready backend=gloo") >= 2 and "world_size=5" in output, output[-6000:]
     # The learner went back to its newest checkpoint: step 1's (lost in step 2's training).
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     rewinds = [(e["from_step"], e["to_step"]) for e in events if e["event"] == "learner.rewound"]
@@ -347,9 +352,11 @@ def test_guide_hybrid_engine_over_two_nodes_one_of_them_lost(cluster, tiny_model
     assert {s for s, node in placed_first.items() if node == lost} == ON_RANK0_NODE, placed_first
     ranks = [nodes["learner"], *(nodes[f"learner-rank{r}"] for r in (1, 2, 3))]
     assert ranks[0] == ranks[1] != ranks[2] == ranks[3], ranks  # two ranks per node, two nodes
-    assert [nodes[f"rollout-{i}"] for i in range(4)] == ranks  # engine i shares rank i's GPU, moved with it
+    # Engine i shards over the GPUs of ranks 2i and 2i+1 (one node), and moved with them.
+    assert [nodes[f"rollout-{i}"] for i in range(2)] == ranks[::2] == ranks[1::2], (nodes, ranks)
     # The rendezvous of the ranks and the weight-sync group live on rank 0's node, not 127.0.0.1.
     assert f"weights.group_ready backend=gloo master={ranks[0]}:" in output, output[-6000:]
     assert f"MASTER_ADDR={ranks[0]} " in (run / "logs" / "learner-rank2.log").read_text(errors="replace")
-    for i in range(4):
+    for i in range(2):
         assert bound_address(run, f"rollout-{i}") == nodes[f"rollout-{i}"]
+        assert "--engine vllm --tensor_parallel_size 2" in (run / "logs" / f"rollout-{i}.log").read_text()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import os
 import pathlib
@@ -62,11 +63,13 @@ class ServiceHost:
     def __init__(self, name: str, log_dir: str, driver_ip: str):
         self.name = name
         self.service = None
-        # Logs go to the run folder when this actor shares the driver's node, else to /tmp there; the
-        # coordinator copies those into the run folder as they grow (RayPlacement._mirror_logs).
+        # Logs go to the run folder when this actor shares the driver's node, else to /tmp there, in a
+        # folder of this run's own (keyed by the run folder's path: another run's logs never mix in);
+        # the coordinator copies those into the run folder as they grow (RayPlacement._mirror_logs).
         here = ray.util.get_node_ip_address()
+        run_key = hashlib.sha1(log_dir.encode()).hexdigest()[:10]
         self.log_dir = pathlib.Path(log_dir if here == driver_ip else
-                                    f"/tmp/rlmesh-logs/{pathlib.Path(log_dir).parent.name}-{here}")
+                                    f"/tmp/rlmesh-logs/{pathlib.Path(log_dir).parent.name}-{run_key}-{here}")
 
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
