@@ -80,6 +80,21 @@ PACKING_SAMPLES = SharedFlag("training: concatenate each micro-batch's samples i
                              "(attention kept within each sample)")
 MAX_CKPT_NUM = SharedFlag("checkpoints kept (the oldest are removed first when a new one is saved)", at_least_one())
 
+# LoRA (services/learner/lora.py): the coordinator passes them to the learner for the actor (the
+# critic is trained in full); the offline trainers apply them to the model they train.
+# services/common/lora_check.py checks them together, against the model, before anything starts.
+LORA_RANK = SharedFlag("LoRA rank: the actor (the trained model, in SFT / RM / DPO) gets low-rank adapters on "
+                       "--target_modules and only they train, the base weights stay frozen; 0 = no LoRA, every "
+                       "weight trains", lambda value: "" if value >= 0 else "must be >= 0 (0 = no LoRA; e.g. 16)")
+LORA_ALPHA = SharedFlag("LoRA alpha: the adapter's update B @ A is scaled by lora_alpha / lora_rank", positive("16"))
+TARGET_MODULES = SharedFlag("the layers that get an adapter, by the last part of their name (q_proj v_proj ...), or "
+                            "all-linear: every linear layer but the output head")
+LORA_DROPOUT = SharedFlag("dropout on the adapter's input in training",
+                          lambda value: "" if 0 <= value < 1 else "must be in [0, 1) (e.g. 0.05; 0 = none)")
+LORA_MERGE_ON_SAVE = SharedFlag("with --lora_rank: a saved model (the final one, --save_hf_ckpt exports) is the "
+                                "adapter folder (adapter_config.json, adapter_model.safetensors) plus, in its merged/ "
+                                "folder, the base model with the adapter merged in: a plain Hugging Face model")
+
 # ---- coordinator and rollout ------------------------------------------------------------------
 ENFORCE_EAGER = SharedFlag("vLLM without CUDA graphs / torch.compile: faster start, less memory, slower decode")
 ENABLE_PREFIX_CACHING = SharedFlag("vLLM reuses the KV cache of shared prompt prefixes (the n samples of a prompt "

@@ -42,8 +42,9 @@ class Refuse:
 
 Rule = Rename | Refuse
 
-LORA = ("LoRA is not supported yet: rlmesh trains every weight of the model (full fine-tuning); drop the "
-        "--ds.lora.* options, or use a smaller model or --ds.zero_stage 3 / --ds.adam_offload to fit it")
+QLORA = ("4-bit base weights (QLoRA) are not supported: LoRA trains adapters over bf16 / fp32 base weights "
+         "(--ds.lora.rank N with --ds.param_dtype bf16); drop it, or use --ds.zero_stage 3 / --ds.adam_offload to fit "
+         "the model")
 DEEPSPEED_FILE = "set {key} in a DeepSpeed config file given with --deepspeed FILE (laid over rlmesh's config)"
 VISION = "vision-language training is not supported: rlmesh trains text-only causal LMs"
 
@@ -166,11 +167,11 @@ NAMES: dict[str, Rule | tuple[Rule, ...]] = {
     "ds.experts_implementation": Refuse("rlmesh loads MoE models with transformers' default expert kernels; drop it"),
     "ds.value_head_prefix": Refuse("rlmesh's reward models and critics are transformers sequence-classification "
                                    "models whose head is `score`", default=("score",)),
-    "ds.load_in_4bit": Refuse(LORA),
-    "ds.lora.rank": Refuse(LORA, default=("0",)),
-    "ds.lora.alpha": Refuse(LORA),
-    "ds.lora.target_modules": Refuse(LORA),
-    "ds.lora.dropout": Refuse(LORA),
+    "ds.load_in_4bit": Refuse(QLORA),
+    "ds.lora.rank": Rename("lora_rank"),
+    "ds.lora.alpha": Rename("lora_alpha"),
+    "ds.lora.target_modules": Rename("target_modules"),
+    "ds.lora.dropout": Rename("lora_dropout"),
     "train.dynamic_batch_enable": Refuse("micro-batches hold --train.micro_batch_size samples (packed without padding "
                                          "with --ds.packing_samples): drop it and size --train.micro_batch_size"),
     "train.max_tokens_per_gpu": Refuse("it sizes OpenRLHF's dynamic batches, which rlmesh does not have: size "

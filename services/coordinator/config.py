@@ -21,6 +21,7 @@ from typing import ClassVar
 from services.common import flags
 from services.common.config import ConfigError, check_fields, opt
 from services.common.deepspeed_file import apply_flags, check_batches, read_deepspeed_file
+from services.common.lora_check import check_lora
 from services.common.paths import absolute_paths, resolve_path_fields
 # The estimators and what each needs (a critic, a group of samples per prompt) come from the maths.
 from services.common.rl_math import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS
@@ -127,6 +128,11 @@ class CoordinatorConfig(ServerConfig):
                            "latter is used anyway)")
     use_liger_kernel: bool = flags.USE_LIGER_KERNEL.field(False)
     packing_samples: bool = flags.PACKING_SAMPLES.field(False)
+    lora_rank: int = flags.LORA_RANK.field(0)
+    lora_alpha: float = flags.LORA_ALPHA.field(16.0)
+    target_modules: list[str] = flags.TARGET_MODULES.field(["all-linear"])
+    lora_dropout: float = flags.LORA_DROPOUT.field(0.0)
+    lora_merge_on_save: bool = flags.LORA_MERGE_ON_SAVE.field(False)
 
     # ---- the RL objective ---------------------------------------------------------------------
     advantage_estimator: str = opt("gae", "advantage estimator (group_norm = GRPO)", choices=list(ADVANTAGE_ESTIMATORS))
@@ -527,6 +533,12 @@ class CoordinatorConfig(ServerConfig):
             raise ConfigError(f"--max_norm {self.max_norm} must be >= 0 (0 disables clipping)")
         if not 0 <= self.lr_warmup_ratio < 1:
             raise ConfigError(f"--lr_warmup_ratio {self.lr_warmup_ratio} must be in [0, 1)")
+        # The actor's adapter, checked against --pretrain before any service starts (the critic trains in full).
+        check_lora(self.lora_rank, self.lora_alpha, self.target_modules, self.lora_dropout,
+                   self.pretrain if self.pretrain and pathlib.Path(self.pretrain, "config.json").is_file() else "")
+        if self.lora_merge_on_save and not self.lora_rank:
+            raise ConfigError("--lora_merge_on_save merges a LoRA adapter into the saved model, but --lora_rank is 0; "
+                              "give --lora_rank N, or drop --lora_merge_on_save")
         model_config = pathlib.Path(self.pretrain) / "config.json" if self.pretrain else None
         if model_config is not None and model_config.is_file():
             context = json.loads(model_config.read_text()).get("max_position_embeddings")

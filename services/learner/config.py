@@ -65,6 +65,7 @@ class LearnerConfig(ServerConfig, DeepSpeedOptions):
             path = getattr(self, name)
             if path and not (pathlib.Path(path) / "config.json").is_file():
                 raise ConfigError(f"--{name} {path}: no Hugging Face model there (config.json is missing)")
+        self.validate_lora(self.pretrain)  # the actor's adapter; the critic trains in full
         if self.num_gpus < 1:
             raise ConfigError(f"--num_gpus {self.num_gpus} must be >= 1")
         if self.micro_forward_batch_size < 1:

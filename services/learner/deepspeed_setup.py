@@ -32,6 +32,8 @@ from services.common import flags
 from services.common.config import ConfigError, opt
 from services.common.flags import LR_SCHEDULERS
 from services.common.deepspeed_file import apply_flags, check_batches, merge, read_deepspeed_file
+from services.common.lora_check import check_lora
+from services.learner.lora import LoraOptions, apply_lora
 
 def _own_extension_folder() -> None:
     """On the CPU, DeepSpeed's collectives compile a C++ op (deepspeed_shm_comm) at every start, a
@@ -101,6 +103,25 @@ class DeepSpeedOptions:
     packing_samples: bool = flags.PACKING_SAMPLES.field(False)
     seed: int = opt(42, "seed of model initialisation where weights are new (e.g. the critic's value head)")
     deepspeed: str = flags.DEEPSPEED_FILE.field("")
+    lora_rank: int = flags.LORA_RANK.field(0)
+    lora_alpha: float = flags.LORA_ALPHA.field(16.0)
+    target_modules: list[str] = flags.TARGET_MODULES.field(["all-linear"])
+    lora_dropout: float = flags.LORA_DROPOUT.field(0.0)
+    lora_merge_on_save: bool = flags.LORA_MERGE_ON_SAVE.field(False)
+
+    @property
+    def lora(self) -> LoraOptions | None:
+        """The adapter of the trained model (the RL actor), or None without --lora_rank."""
+        if self.lora_rank <= 0:
+            return None
+        return LoraOptions(self.lora_rank, self.lora_alpha, tuple(self.target_modules), self.lora_dropout)
+
+    def validate_lora(self, pretrain: str) -> None:
+        """The LoRA flags together and against the model at `pretrain` (its config only)."""
+        check_lora(self.lora_rank, self.lora_alpha, self.target_modules, self.lora_dropout, pretrain)
+        if self.lora_merge_on_save and not self.lora_rank:
+            raise ConfigError("--lora_merge_on_save merges a LoRA adapter into the saved model, but --lora_rank is 0; "
+                              "give --lora_rank N, or drop --lora_merge_on_save")
 
     def apply_deepspeed_file(self) -> None:
         """--deepspeed FILE: the settings it decides replace the flags' values (idempotent)."""
@@ -234,7 +255,8 @@ def deepspeed_config(options: DeepSpeedOptions, world_size: int) -> dict:
 # Models
 
 
-def load_pretrained(path: str, options: DeepSpeedOptions, ds_config: dict, kind: ModelKind = "causal_lm"):
+def load_pretrained(path: str, options: DeepSpeedOptions, ds_config: dict, kind: ModelKind = "causal_lm",
+                    adapter: LoraOptions | None = None):
     """Loads a Hugging Face model for training; returns (model, keepalive).
 
     kind "causal_lm": AutoModelForCausalLM. kind "critic": the same backbone with a scalar value
@@ -243,6 +265,8 @@ def load_pretrained(path: str, options: DeepSpeedOptions, ds_config: dict, kind:
     classification), otherwise initialised from options.seed.
     Under ZeRO-3 the weights are loaded straight into their partitions: `keepalive` (the
     transformers view of the DeepSpeed config) must stay referenced until the engine is built.
+    With `adapter` the model is a PEFT model in which only the LoRA adapter (and a critic's head)
+    trains (services.learner.lora).
     """
     import transformers
 
@@ -271,6 +295,10 @@ def load_pretrained(path: str, options: DeepSpeedOptions, ds_config: dict, kind:
                                         cross_entropy=False, fused_linear_cross_entropy=False)
     if options.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if adapter is not None:
+        # The same adapter initialisation on every rank: under ZeRO-3 each rank keeps its own part.
+        torch.manual_seed(options.seed)
+        model = apply_lora(model, adapter, kind)
     return model, keepalive
 
 

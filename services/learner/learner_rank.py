@@ -70,7 +70,7 @@ class LearnerRank:
         group = join_process_group(self.spec, self._store(), self.config.dist_timeout_s)
         cfg = self.config
         ds_config = deepspeed_config(cfg, self.spec.world_size)
-        model, keep = load_pretrained(cfg.pretrain, cfg, ds_config, "causal_lm")
+        model, keep = load_pretrained(cfg.pretrain, cfg, ds_config, "causal_lm", adapter=cfg.lora)
         self._keepalive.append(keep)
         self.vocab_size = model.config.vocab_size
         self.max_len = cfg.max_len or int(getattr(model.config, "max_position_embeddings", 1 << 30))

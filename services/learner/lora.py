@@ -15,6 +15,7 @@ adapter_state gives the names vLLM's and PEFT's adapter files use without their 
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import re
 
 import torch
@@ -110,3 +111,44 @@ def is_peft_model(model: torch.nn.Module) -> bool:
     from peft import PeftModel
 
     return isinstance(model, PeftModel)
+
+
+_BASE_LAYER = ".base_layer."
+_HEAD_COPY = f".modules_to_save.{ADAPTER_NAME}."
+
+
+def merged_state_dict(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """A PEFT model's state dict (PeftModel.state_dict() names) -> the base model's, each adapted
+    weight W (out, in) replaced by W + scale * B @ A (B: (out, r), A: (r, in)), in W's dtype.
+
+    A head trained beside the adapter (modules_to_save) comes out under its own name; the frozen
+    original of that head is dropped.
+    """
+    merged: dict[str, torch.Tensor] = {}
+    for name, value in state.items():
+        if engine_name(name) is not None or ".original_module." in name:
+            continue
+        plain = name.removeprefix(PEFT_PREFIX)
+        if _BASE_LAYER in plain:
+            module, _, field = plain.partition(_BASE_LAYER)
+            plain = f"{module}.{field}"
+            lora_a = state.get(f"{PEFT_PREFIX}{module}.lora_A.{ADAPTER_NAME}.weight")
+            if field == "weight" and lora_a is not None:
+                lora_b = state[f"{PEFT_PREFIX}{module}.lora_B.{ADAPTER_NAME}.weight"]
+                value = (value.float() + scale * (lora_b.float() @ lora_a.float())).to(value.dtype)
+        plain = plain.replace(_HEAD_COPY, ".")
+        merged[plain] = value
+    return merged
+
+
+def save_adapter(module: torch.nn.Module, state: dict[str, torch.Tensor], path: pathlib.Path,
+                 options: LoraOptions, merge: bool) -> None:
+    """Writes the PEFT adapter folder of `module` (a PeftModel) from its full state dict: path/
+    adapter_config.json and adapter_model.safetensors, which peft.PeftModel.from_pretrained and vLLM
+    load over the base model; with `merge` also path/merged/, the base model with the adapter
+    merged in (a plain Hugging Face model folder, without tokenizer files)."""
+    module.save_pretrained(path, state_dict=state, safe_serialization=True)
+    if merge:
+        base = module.get_base_model()
+        base.save_pretrained(path / "merged", state_dict=merged_state_dict(state, scaling(options)),
+                             safe_serialization=True)

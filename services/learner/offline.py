@@ -49,6 +49,7 @@ from services.learner.deepspeed_setup import (
     load_pretrained,
 )
 from services.learner.logprob_head import forward_micro_batch
+from services.learner.lora import LoraOptions, save_adapter
 
 _log = get_logger("offline")
 
@@ -138,6 +139,7 @@ class OfflineConfig(DeepSpeedOptions):
             raise ConfigError(f"--max_ckpt_num {self.max_ckpt_num} must be >= 1")
         if self.load_checkpoint and not self.ckpt_path:
             raise ConfigError("--load_checkpoint needs --ckpt_path (the folder the interrupted run saved to)")
+        self.validate_lora(self.pretrain)
         if self.flash_attn:
             if torch.cuda.is_available():
                 self.attn_implementation = "flash_attention_2"
@@ -293,11 +295,14 @@ def add_ratios(total: Ratios, more: Ratios) -> None:
         total[name] = (n0 + num, d0 + den)
 
 
-def save_hf_model(engine, tokenizer, path: Path, rank: int, config_updates: dict | None = None) -> None:
+def save_hf_model(engine, tokenizer, path: Path, rank: int, config_updates: dict | None = None,
+                  adapter: LoraOptions | None = None, merge: bool = False) -> None:
     """save_pretrained of the trained model with its tokenizer (rank 0 writes; all ranks must call).
 
     Under ZeRO-3 the partitions are gathered into one state dict on rank 0 first. config_updates
     are written into config.json afterwards (save_pretrained would reset e.g. `architectures`).
+    With `adapter` (LoRA) the folder is the PEFT adapter, and with `merge` path/merged/ the model
+    with the adapter merged in (services.learner.lora.save_adapter), config_updates in its config.
     """
     if engine.zero_optimization_stage() == 3:
         state = engine._zero3_consolidated_16bit_state_dict()  # collective: every rank takes part
@@ -305,13 +310,20 @@ def save_hf_model(engine, tokenizer, path: Path, rank: int, config_updates: dict
         state = engine.module.state_dict() if rank == 0 else None
     if rank == 0:
         path.mkdir(parents=True, exist_ok=True)
-        engine.module.save_pretrained(path, state_dict=state, safe_serialization=True)
+        if adapter is None:
+            engine.module.save_pretrained(path, state_dict=state, safe_serialization=True)
+            models = [path]
+        else:
+            save_adapter(engine.module, state, path, adapter, merge)
+            models = [path / "merged"] if merge else []
         tokenizer.save_pretrained(path)
-        config_file = path / "config.json"
-        saved = json.loads(config_file.read_text())
-        # Generation in the rollout service wants the KV cache that training turned off.
-        saved.update({"use_cache": True, **(config_updates or {})})
-        config_file.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+        for folder in models:
+            tokenizer.save_pretrained(folder)
+            config_file = folder / "config.json"
+            saved = json.loads(config_file.read_text())
+            # Generation in the rollout service wants the KV cache that training turned off.
+            saved.update({"use_cache": True, **(config_updates or {})})
+            config_file.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
 
@@ -364,7 +376,7 @@ class OfflineTrainer:
         raise NotImplementedError
 
     def save(self, engine, tokenizer, path: Path, rank: int) -> None:
-        save_hf_model(engine, tokenizer, path, rank)
+        save_hf_model(engine, tokenizer, path, rank, adapter=self.config.lora, merge=self.config.lora_merge_on_save)
 
     # -- shared -----------------------------------------------------------------------------------
 

@@ -72,7 +72,8 @@ class DPOTrainer(OfflineTrainer):
                                 max_samples=c.max_samples, seed=c.seed, strict=c.strict)
 
     def load_model(self, ds_config: dict):
-        return load_pretrained(self.config.pretrain, self.config, ds_config, kind="causal_lm")
+        return load_pretrained(self.config.pretrain, self.config, ds_config, kind="causal_lm",
+                               adapter=self.config.lora)
 
     def prepare(self, ds_config: dict, device: torch.device) -> None:
         self.reference = frozen_model(self.config.ref_pretrain, self.config, ds_config, device)

@@ -9,7 +9,9 @@ sequence's score is the head's output at its last attended token, computed exact
 service computes it. Responses end with the eos token, as sampled responses do, so generated text is
 scored at the same place. The output folder is a Hugging Face AutoModelForSequenceClassification
 (num_labels=1) with its tokenizer; its config also carries `mean` and `std` of the scores on the
-evaluation data (the training data without one), which --normalize_reward uses.
+evaluation data (the training data without one), which --normalize_reward uses. With --lora_rank the
+folder is the adapter (with the head `score`, trained in full) and its merged/ folder the reward
+model to serve, written whether or not --lora_merge_on_save is given.
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ class RMTrainer(OfflineTrainer):
     def load_model(self, ds_config: dict):
         # A value per token from the head `score` (a new head is initialised from --seed); the
         # score of a sequence is read at its last token, as the reward service reads it.
-        return load_pretrained(self.config.pretrain, self.config, ds_config, kind="critic")
+        return load_pretrained(self.config.pretrain, self.config, ds_config, kind="critic",
+                               adapter=self.config.lora)
 
     def scores(self, engine, rows: list) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen (B,), rejected (B,)) scores in one forward pass over the 2B sequences (padded
@@ -113,9 +116,10 @@ class RMTrainer(OfflineTrainer):
         stats = self.evaluate(engine, rows)
         std = math.sqrt(max(stats["score_mean_square"] - stats["score_mean"] ** 2, 0.0))
         architecture = sequence_classification_architecture(type(engine.module).__name__)
+        # With LoRA the merged model is written too: the reward service loads a whole model.
         save_hf_model(engine, tokenizer, path, rank, config_updates={
             "mean": stats["score_mean"], "std": std, "architectures": [architecture],
-            "pad_token_id": tokenizer.pad_token_id})
+            "pad_token_id": tokenizer.pad_token_id}, adapter=self.config.lora, merge=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,7 +56,8 @@ class SFTTrainer(OfflineTrainer):
                         seed=c.seed, strict=c.strict)
 
     def load_model(self, ds_config: dict):
-        return load_pretrained(self.config.pretrain, self.config, ds_config, kind="causal_lm")
+        return load_pretrained(self.config.pretrain, self.config, ds_config, kind="causal_lm",
+                               adapter=self.config.lora)
 
     def micro_batch(self, engine, rows: list, train: bool) -> tuple:
         mb = sequences_batch([r.input_ids for r in rows], self.tokenizer.pad_token_id,

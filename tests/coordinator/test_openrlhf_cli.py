@@ -194,7 +194,7 @@ SCRIPTS = {
     "train_vlm_math_hybrid_engine": (VLM_MATH_HYBRID_ENGINE, CoordinatorConfig,
                                      {"data.max_images_per_prompt", "actor.freeze_visual_encoder"}),  # --data.image_key images: the default
     "train_sft": (SFT, SFTConfig, set()),
-    "train_sft_mixtral_lora": (SFT_MIXTRAL_LORA, SFTConfig, {"ds.lora.rank", "ds.lora.alpha", "model.aux_loss_coef"}),
+    "train_sft_mixtral_lora": (SFT_MIXTRAL_LORA, SFTConfig, {"model.aux_loss_coef"}),
     "train_rm": (RM, RMConfig, set()),
     "train_dpo_llama": (DPO_LLAMA, DPOConfig, set()),  # also what train_nonrl_slurm.sh runs
 }
@@ -316,8 +316,8 @@ def test_every_refusal_says_what_to_do():
         for rule in rules if isinstance(rules, tuple) else (rules,):
             if isinstance(rule, Refuse):
                 assert len(rule.advice) > 20, name
-    assert all(NAMES[f"ds.lora.{n}"].advice.startswith("LoRA is not supported yet: ")
-               for n in ("rank", "alpha", "target_modules", "dropout"))
+    assert {n: NAMES[f"ds.lora.{n}"].flat for n in ("rank", "alpha", "target_modules", "dropout")} == {
+        "rank": "lora_rank", "alpha": "lora_alpha", "target_modules": "target_modules", "dropout": "lora_dropout"}
 
 
 @pytest.mark.filterwarnings("ignore")
@@ -329,17 +329,19 @@ def test_values_translate_with_openrlhf_meaning(local):
                                     "--reward.overlong_buffer_len", "128.0", "--ds.attn_implementation", "eager",
                                     "--algo.advantage.is_correction_enable",
                                     "--algo.advantage.is_correction_threshold", "0", "3.5", "--train.async_enable",
-                                    "--train.async_queue_size", "2", "--ds.zpg", "1", "--ds.lora.rank", "0",
-                                    "--ds.use_universal_ckpt"])
+                                    "--train.async_queue_size", "2", "--ds.zpg", "1", "--ds.lora.rank", "8",
+                                    "--ds.lora.alpha", "32", "--ds.lora.target_modules", "q_proj", "v_proj",
+                                    "--ds.lora.dropout", "0.05", "--ds.use_universal_ckpt"])
     assert (cfg.prompt_max_len, cfg.generate_max_len, cfg.overlong_buffer_len) == (768, 256, 128)
     assert (cfg.use_tis, cfg.tis_cap, cfg.flash_attn) == (True, 3.5, False)
     assert (cfg.async_train, cfg.max_staleness, cfg.use_ds_universal_ckpt) == (True, 2, True)
+    assert (cfg.lora_rank, cfg.lora_alpha, cfg.target_modules, cfg.lora_dropout) == (8, 32, ["q_proj", "v_proj"], 0.05)
     with pytest.warns(UserWarning, match="prompts up to 512 tokens"):
         cfg = build(CoordinatorConfig, [*base, "--data.max_len", "1024"])
     assert (cfg.prompt_max_len, cfg.generate_max_len) == (512, 512)
     refusals = {("--ds.param_dtype", "fp16"): "fp16 is not supported",
                 ("--algo.advantage.is_correction_type", "icepop", "--algo.advantage.is_correction_enable"): "tis",
-                ("--ds.zpg", "2"): "zero_hpz_partition_size", ("--ds.lora.rank", "8"): "LoRA is not supported yet",
+                ("--ds.zpg", "2"): "zero_hpz_partition_size", ("--ds.load_in_4bit",): "QLoRA",
 ("--actor.muon.lr", "0.02"): "Muon",
                 ("--critic.max_norm", "0.5"): "--actor.max_norm", ("--vllm.sync_with_ray",): "--vllm.sync_backend",
                 ("--ds.zero_stage", "3", "--zero_stage", "2"): "--ds.zero_stage and --zero_stage are the same option",
@@ -363,8 +365,11 @@ def test_parse_config_and_yaml_take_namespaced_options(local, tmp_path, capsys):
                                                                          "response")
     assert (cfg.zero_stage, cfg.bf16, cfg.learning_rate, cfg.max_epochs, cfg.train_batch_size) == (3, True, 2e-6, 2, 4)
     with pytest.raises(SystemExit):
-        parse_config(SFTConfig, ["--config", str(yaml_file), "--ds.lora.rank", "16"])
-    assert "config error: --ds.lora.rank: LoRA is not supported yet" in capsys.readouterr().err
+        parse_config(SFTConfig, ["--config", str(yaml_file), "--ds.load_in_4bit"])
+    assert "config error: --ds.load_in_4bit: 4-bit base weights (QLoRA) are not supported" in capsys.readouterr().err
+    cfg = parse_config(SFTConfig, ["--config", str(yaml_file), "--ds.lora.rank", "16", "--ds.lora.target_modules",
+                                   "q_proj", "--train.batch_size", "4", "--train.micro_batch_size", "2"])
+    assert (cfg.lora_rank, cfg.lora_alpha, cfg.target_modules) == (16, 16.0, ["q_proj"])
     yaml_file.write_text(yaml_file.read_text() + "zero_stage: 2\n")
     with pytest.raises(SystemExit):
         parse_config(SFTConfig, ["--config", str(yaml_file)])

@@ -92,6 +92,12 @@ def test_a_verl_grpo_command_becomes_the_same_rlmesh_run(tiny_model_dir, tiny_re
     assert (cfg.top_k, cfg.max_steps) == (-1, 0)  # null: veRL's default, and no step limit
     assert cfg.remote_rm_url.endswith("/r.py:compute_score") and cfg.rollout_batch_size == 1024
     assert cfg.label_key == "reward_model.ground_truth"
+    # LoRA on the actor; with lora_rank 0 (veRL's default) its other keys are not read, as in veRL.
+    cfg, _, _ = config_of([*one_cpu, "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=32",
+                           "actor_rollout_ref.model.target_modules=[q_proj,v_proj]"])
+    assert (cfg.lora_rank, cfg.lora_alpha, cfg.target_modules) == (8, 32.0, ["q_proj", "v_proj"])
+    cfg, _, ignored = config_of([*one_cpu, "actor_rollout_ref.model.lora_alpha=32"])
+    assert (cfg.lora_rank, cfg.lora_alpha) == (0, 16.0) and "actor_rollout_ref.model.lora_alpha" not in ignored
     # A reward model scores instead; it needs no ground truth.
     cfg, _, _ = config_of([*one_cpu, "reward_model.enable=True", f"reward_model.model.path={tiny_reward_model_dir}"])
     assert (cfg.reward_pretrain, cfg.label_key, cfg.reward_func) == (str(tiny_reward_model_dir), "", "")
@@ -107,7 +113,7 @@ def test_a_verl_grpo_command_becomes_the_same_rlmesh_run(tiny_model_dir, tiny_re
     (["trainer.n_gpus_per_node=3"], "does not divide the 3 GPUs"),
     (["data.train_batch_size"], "expected a veRL override key=value"),
     (["trainer.critic_warmup=5"], "trainer.critic_warmup=5: training the critic alone"),
-    (["actor_rollout_ref.model.lora_rank=32"], "LoRA is not supported yet"),
+    (["actor_rollout_ref.model.lora_rank=-1"], "lora_rank=-1 must be >= 0"),
     (["actor_rollout_ref.rollout.do_sample=False"], "greedy rollouts are not supported"),
     (["data.shuffle=False"], "data.shuffle=False"),
     (["reward_model.reward_manager=prime"], "reward_model.reward_manager=prime"),

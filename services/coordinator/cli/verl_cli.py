@@ -73,7 +73,6 @@ REFUSED: dict[str, tuple[tuple[object, ...], str]] = {
     "trainer.val_only": ((False,), "for evaluation alone use `rlmesh eval --pretrain DIR --eval_dataset FILE`"),
     R + "do_sample": ((True,), "greedy rollouts are not supported; sampling is set by rollout.temperature"),
     R + "ignore_eos": ((False,), "responses end at the end-of-sequence token"),
-    "actor_rollout_ref.model.lora_rank": ((0,), "LoRA is not supported yet: rlmesh trains every weight of the model"),
     "algorithm.use_pf_ppo": ((False,), "preference-feedback PPO (sample reweighting) is not supported"),
     A + "optim.lr_warmup_steps": ((-1, None), "give the warm-up as actor_rollout_ref.actor.optim.lr_warmup_steps_ratio"),
     A + "optim.min_lr_ratio": ((None, 0.0), "rlmesh's cosine schedule ends at 0.1 x the peak learning rate; use "
@@ -91,7 +90,8 @@ REFUSED: dict[str, tuple[tuple[object, ...], str]] = {
 READ = set(DEFAULTS) | {
     "data.train_files", "data.val_files", "data.seed", "actor_rollout_ref.model.path",
     "actor_rollout_ref.model.enable_gradient_checkpointing", "actor_rollout_ref.model.use_remove_padding",
-    "actor_rollout_ref.model.use_liger", A + "ppo_micro_batch_size_per_gpu", A + "clip_ratio_low",
+    "actor_rollout_ref.model.use_liger", "actor_rollout_ref.model.lora_rank", "actor_rollout_ref.model.lora_alpha",
+    "actor_rollout_ref.model.target_modules", A + "ppo_micro_batch_size_per_gpu", A + "clip_ratio_low",
     A + "clip_ratio_high", A + "strategy", A + "fsdp_config.optimizer_offload", A + "policy_loss.loss_mode",
     R + "max_num_batched_tokens", R + "max_num_seqs", R + "log_prob_micro_batch_size_per_gpu",
     R + "multi_turn.enable", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
@@ -203,6 +203,17 @@ def translate(overrides: dict[str, object]) -> tuple[list[str], list[str]]:
         flag("use_liger_kernel")
     if get(A + "fsdp_config.optimizer_offload"):
         flag("adam_offload")
+    # LoRA on the actor; veRL reads lora_alpha and target_modules only with lora_rank > 0.
+    lora_rank = int(get("actor_rollout_ref.model.lora_rank") or 0)
+    if lora_rank < 0:
+        raise ConfigError(f"actor_rollout_ref.model.lora_rank={lora_rank} must be >= 0 (0 = no LoRA; e.g. 32)")
+    if lora_rank > 0:
+        flag("lora_rank", lora_rank)
+        if get("actor_rollout_ref.model.lora_alpha") is not None:
+            flag("lora_alpha", get("actor_rollout_ref.model.lora_alpha"))
+        targets = get("actor_rollout_ref.model.target_modules")
+        if targets:
+            flag("target_modules", [str(t) for t in targets] if isinstance(targets, list) else str(targets).split(","))
     nodes, gpus = int(get("trainer.nnodes")), int(get("trainer.n_gpus_per_node"))
     tp = int(get(R + "tensor_model_parallel_size"))
     if (nodes * gpus) % tp:

@@ -129,6 +129,11 @@ def learner_argv(cfg: CoordinatorConfig, total_steps: int, num_ranks: int) -> li
         argv += ["--logprobs_head", "fused"]
     if cfg.deepspeed:
         argv += ["--deepspeed", cfg.deepspeed]  # the learner lays the file's other settings over its config
+    if cfg.lora_rank:  # the actor's adapter; the critic trains in full
+        argv += ["--lora_rank", str(cfg.lora_rank), "--lora_alpha", str(cfg.lora_alpha),
+                 "--target_modules", *cfg.target_modules, "--lora_dropout", str(cfg.lora_dropout)]
+        if cfg.lora_merge_on_save:
+            argv.append("--lora_merge_on_save")
     return argv + shlex.split(cfg.learner_extra_args)
 
 
