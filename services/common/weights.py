@@ -658,8 +658,33 @@ def slots_from_proto(params: Sequence[rollout_pb2.ParameterMeta]) -> list[ParamS
 
 def update_weights_request(version: int, slots: Sequence[ParamSlot], bucket_sizes: Sequence[int],
                            chunk_index: int = 0, final: bool = True,
-                           ipc_buckets: Sequence[rollout_pb2.IpcBucket] = ()) -> rollout_pb2.UpdateWeightsRequest:
-    """The UpdateWeights request describing one chunk of a push (by default the whole push)."""
+                           ipc_buckets: Sequence[rollout_pb2.IpcBucket] = (),
+                           adapter: rollout_pb2.LoraAdapter | None = None) -> rollout_pb2.UpdateWeightsRequest:
+    """The UpdateWeights request describing one chunk of a push (by default the whole push);
+    with `adapter`, a chunk of an adapter push (its slots are adapter tensors)."""
     return rollout_pb2.UpdateWeightsRequest(
         version=version, chunk_index=chunk_index, final=final, params=slots_to_proto(slots),
-        bucket_bytes=list(bucket_sizes), ipc_buckets=list(ipc_buckets))
+        bucket_bytes=list(bucket_sizes), ipc_buckets=list(ipc_buckets), adapter=adapter)
+
+
+# ----------------------------------------------------------------------------------------------
+# LoRA adapters (adapter-only pushes)
+#
+# An adapter push carries, per target module T, the tensors T.lora_A.weight (rank, in) and
+# T.lora_B.weight (out, rank); the engine serves W_T + scaling * B @ A over its --pretrain weights.
+# Its weights checksum is combine_digests over those tensors as sent / received plus one entry for
+# the scaling (adapter_checksum_entries), so the same bytes under another scaling are other weights.
+
+LORA_SCALING_ENTRY = "lora.scaling"
+
+
+def lora_tensor_names(target: str) -> tuple[str, str]:
+    """The adapter tensors of target module `target` ("model.layers.0.self_attn.q_proj")."""
+    return f"{target}.lora_A.weight", f"{target}.lora_B.weight"
+
+
+def adapter_checksum_entries(entries: Mapping[str, DigestEntry], scaling: float) -> dict[str, DigestEntry]:
+    """The digest entries an adapter push's checksum is combined from: the adapter tensors' and
+    LORA_SCALING_ENTRY, the scaling as a float64 scalar."""
+    value = torch.tensor(float(scaling), dtype=torch.float64)
+    return {**entries, LORA_SCALING_ENTRY: DigestEntry(value.dtype, (), tensor_digest(value))}

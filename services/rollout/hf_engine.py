@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from services.common.log import get_logger, log_event
 from services.common.weights import DigestEntry, tensor_digest
 from services.rollout.config import RolloutConfig
-from services.rollout.engine import Engine, ModelFacts, SampleResult, SampleSpec, Sampling, WeightChunk
+from services.rollout.adapters import CheckpointWeights, adapter_weights
+from services.rollout.engine import Adapter, Engine, ModelFacts, SampleResult, SampleSpec, Sampling, WeightChunk
 from services.rollout.weight_receiver import WeightReceiver
 
 log = get_logger("rollout")
@@ -95,6 +96,11 @@ class HfEngine(Engine):
         self.seed_source = torch.Generator().manual_seed(config.seed)
         self._lock = asyncio.Lock()  # one batch (or weight chunk) on the model at a time
         self._running = 0
+        # LoRA: the adapter tensors of the push under way, the targets merged by the last adapter
+        # push, and the --pretrain checkpoint the merges start from (opened at the first).
+        self._adapter_tensors: dict[str, torch.Tensor] = {}
+        self._merged_targets: tuple[str, ...] = ()
+        self._base: CheckpointWeights | None = None
 
     async def initial_digests(self) -> dict[str, DigestEntry]:
         return await asyncio.to_thread(self._digests)
@@ -204,15 +210,33 @@ class HfEngine(Engine):
 
     async def receive_weights(self, chunk: WeightChunk) -> dict[str, DigestEntry]:
         params = dict(self.model.named_parameters())
+        if chunk.chunk_index == 0:
+            self._adapter_tensors = {}
 
         def load(pairs: list[tuple[str, torch.Tensor]]) -> None:
+            if chunk.adapter is not None:  # kept (the bucket buffers are reused) until the final chunk merges them
+                self._adapter_tensors.update((name, tensor.clone()) for name, tensor in pairs)
+                return
+            self._merged_targets = ()
             for name, tensor in pairs:
                 params[name].data.copy_(tensor)
 
         async with self._lock:
             digests = await asyncio.to_thread(self.receiver.receive, chunk, self.device, load)
+            if chunk.adapter is not None and chunk.final:
+                await asyncio.to_thread(self._merge_adapter, chunk.adapter, params)
         slots = {s.name: s for s in chunk.slots}
         return {n: DigestEntry(slots[n].dtype, slots[n].shape, bytes.fromhex(d)) for n, d in digests.items()}
+
+    def _merge_adapter(self, adapter: Adapter, params: dict[str, torch.nn.Parameter]) -> None:
+        """Loads the --pretrain weights of the adapter's targets merged with it (adapters.py)."""
+        if self._base is None:
+            self._base = CheckpointWeights(self.config.pretrain)
+        tensors, self._adapter_tensors = self._adapter_tensors, {}
+        for name, weight in adapter_weights(adapter, tensors, self._base, self._merged_targets, self.facts.dtype,
+                                            self.device):
+            params[name].data.copy_(weight)
+        self._merged_targets = adapter.targets
 
     async def reset_prefix_cache(self) -> None:
         return None  # no cache survives a batch

@@ -14,7 +14,8 @@ from services.common.errors import failed_precondition, invalid_argument
 from services.common.tensors import from_proto
 from services.common.weights import check_layout, dtype_name, slots_from_proto
 from services.rollout.config import RolloutConfig
-from services.rollout.engine import ModelFacts, Sampling, WeightChunk
+from services.rollout.adapters import parse_adapter
+from services.rollout.engine import Adapter, ModelFacts, Sampling, WeightChunk
 
 
 @dataclass
@@ -146,6 +147,7 @@ class PushProgress:
     version: int
     next_chunk: int
     received: set[str]
+    adapter: Adapter | None = None  # an adapter push's, from its chunk 0
 
 
 def parse_update(request: rollout_pb2.UpdateWeightsRequest, facts: ModelFacts, backend: str,
@@ -169,6 +171,12 @@ def parse_update(request: rollout_pb2.UpdateWeightsRequest, facts: ModelFacts, b
                 f"chunk_index: got chunk {request.chunk_index} of version {request.version}, expected chunk "
                 f"{expected}; fix: send a push's chunks in order, or restart it with chunk_index 0")
     received = set() if request.chunk_index == 0 else set(push.received)
+    adapter = parse_adapter(request.adapter, facts.parameters) if request.HasField("adapter") else None
+    if request.chunk_index > 0 and adapter != push.adapter:
+        raise invalid_argument("adapter", None, f"chunk {request.chunk_index} declares another adapter (or none) "
+                               "than chunk 0 of the push", "send the same adapter on every chunk of a push")
+    # What the push must carry: every parameter of the model, or every tensor of the adapter.
+    expected = facts.parameters if adapter is None else adapter.tensor_shapes(facts.parameters)
 
     if any(b < 0 for b in request.bucket_bytes):
         raise invalid_argument("bucket_bytes", None, "a bucket size is negative", "send the sizes from plan_buckets")
@@ -178,13 +186,18 @@ def parse_update(request: rollout_pb2.UpdateWeightsRequest, facts: ModelFacts, b
         raise invalid_argument("params[].dtype", None, str(exc), f"send every tensor in {dtype_name(facts.dtype)}") from None
     for i, slot in enumerate(slots):
         item = f"parameter {slot.name!r}"
-        if slot.name not in facts.parameters:
+        if slot.name not in expected and adapter is not None:
+            raise invalid_argument("params[].name", item, "not a tensor of the declared adapter",
+                                   "send only <target>.lora_A.weight and <target>.lora_B.weight of the modules in "
+                                   "adapter.target_modules")
+        if slot.name not in expected:
             raise invalid_argument("params[].name", item, "the model has no parameter of that name",
                                    "send Hugging Face parameter names of this model "
                                    "(GetModelInfo with include_parameters lists them)")
-        if slot.shape != facts.parameters[slot.name]:
-            raise invalid_argument("params[].shape", item, f"shape {list(slot.shape)} differs from the model's "
-                                   f"{list(facts.parameters[slot.name])}", "send the full, unsharded tensor")
+        if slot.shape != expected[slot.name]:
+            whose = "the model's" if adapter is None else f"the adapter's (rank {adapter.rank} on the base weight)"
+            raise invalid_argument("params[].shape", item, f"shape {list(slot.shape)} differs from {whose} "
+                                   f"{list(expected[slot.name])}", "send the full, unsharded tensor")
         if slot.dtype != facts.dtype:
             raise invalid_argument("params[].dtype", item, f"dtype {dtype_name(slot.dtype)} differs from the engine's "
                                    f"{dtype_name(facts.dtype)}", f"cast to {dtype_name(facts.dtype)} before sending")
@@ -208,11 +221,12 @@ def parse_update(request: rollout_pb2.UpdateWeightsRequest, facts: ModelFacts, b
                                "send ipc_buckets only after InitWeightTransfer with backend IPC")
 
     if request.final:
-        missing = sorted(set(facts.parameters) - received - {s.name for s in slots})
+        missing = sorted(set(expected) - received - {s.name for s in slots})
         if missing:
+            whole = "every parameter of the model" if adapter is None else "every tensor of the adapter's targets"
             raise invalid_argument("params", None, f"the push is final but lacks {len(missing)} parameters, e.g. "
-                                   f"{missing[:5]}", "a push must carry every parameter of the model")
+                                   f"{missing[:5]}", f"a push must carry {whole}")
     return WeightChunk(chunk_index=int(request.chunk_index), final=bool(request.final), slots=slots,
                        bucket_sizes=[int(b) for b in request.bucket_bytes],
-                       ipc_buckets=[b.SerializeToString() for b in request.ipc_buckets])
+                       ipc_buckets=[b.SerializeToString() for b in request.ipc_buckets], adapter=adapter)
 

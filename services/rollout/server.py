@@ -38,10 +38,11 @@ from services.common.errors import ServiceError, failed_precondition, handle_err
 from services.common.log import get_logger, log_event
 from services.common.server import ServiceRunner
 from services.common.tensors import to_proto
-from services.common.weights import BACKEND_NAMES, WIRE_DTYPES, DigestEntry, combine_digests
+from services.common.weights import BACKEND_NAMES, WIRE_DTYPES, DigestEntry, adapter_checksum_entries, combine_digests
 from services.rollout import metrics
 from services.rollout.config import RolloutConfig
-from services.rollout.engine import Engine, SampleResult, SampleSpec
+from services.rollout.adapters import adapter_to_proto
+from services.rollout.engine import Adapter, Engine, SampleResult, SampleSpec
 from services.rollout.engines import build_engine
 from services.rollout.requests import PushProgress, check_generate_shape, parse_sampling, parse_update, prepare_prompts
 
@@ -155,6 +156,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.version = 0
         self.digests = digests
         self.checksum = combine_digests(digests)
+        self.initial_checksum = self.checksum
+        # LoRA: the adapter merged by the last push (None: the weights of the checkpoint or of a full
+        # push), and whether the weights outside its targets are the --pretrain ones an adapter
+        # applies to (a full push of other weights, or a broken push, leaves them otherwise).
+        self.adapter: Adapter | None = None
+        self.base_intact = True
         self.state = rollout_pb2.WEIGHTS_STATE_READY
         self.state_detail = ""
         self.push: PushProgress | None = None
@@ -323,16 +330,28 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                                           "fix: call InitWeightTransfer first")
             if "weights" in self.asleep:
                 raise failed_precondition("the engine's weights are asleep; fix: WakeUp(tags=['weights']) first")
+            if request.HasField("adapter"):
+                self._check_adapter_push()
             # Once frozen, every later chunk of the push must not wait either: the frozen calls hold the gate.
             pause = request.pause_generation or self.frozen
             async with self.gate.exclusive(wait_for_shared=not pause):
                 chunk = parse_update(request, self.facts, self.backend, self.version, self.push)
                 return await run_to_completion(self._apply_chunk(request.version, chunk, pause))
 
+    def _check_adapter_push(self) -> None:
+        if not self.config.enable_lora:
+            raise failed_precondition("adapter: this engine takes full weight pushes only; fix: start the rollout "
+                                      "service with --enable_lora (the coordinator does when --lora_rank > 0)")
+        if not self.base_intact:
+            raise failed_precondition(
+                "adapter: the engine's weights are no longer its --pretrain weights (a full push of other weights, or "
+                "a push that failed part-way), and an adapter applies to those; fix: restart the rollout service, or "
+                "push the --pretrain weights in full first")
+
     async def _apply_chunk(self, version: int, chunk, pause: bool) -> rollout_pb2.UpdateWeightsResponse:
         start = time.perf_counter()
         if chunk.chunk_index == 0:
-            self.push = PushProgress(version=version, next_chunk=0, received=set())
+            self.push = PushProgress(version=version, next_chunk=0, received=set(), adapter=chunk.adapter)
             self.push_digests = {}
         if pause and not self.frozen:
             await self.engine.pause_generation()
@@ -350,6 +369,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 raise RuntimeError(f"the workers loaded {len(digests)} parameters, the chunk has {len(chunk.slots)}")
         except Exception as exc:
             self.push = None
+            # An adapter push changes the weights only when its final chunk merges it.
+            self.base_intact = self.base_intact and chunk.adapter is not None and not chunk.final
             self.backend = "" if self.backend != "ipc" else self.backend
             self._set_state(rollout_pb2.WEIGHTS_STATE_INCOMPLETE,
                             f"the push of weight version {version} failed part-way ({type(exc).__name__}: {exc}); "
@@ -374,7 +395,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         await self.engine.reset_prefix_cache()  # cached KV was computed by the old weights
         self.digests, self.push = self.push_digests, None
         self.version = version
-        self.checksum = combine_digests(self.digests)
+        if chunk.adapter is None:
+            self.checksum = combine_digests(self.digests)
+            self.base_intact = self.checksum == self.initial_checksum  # e.g. the checkpoint pushed back
+        else:
+            self.checksum = combine_digests(adapter_checksum_entries(self.digests, chunk.adapter.scaling))
+        self.adapter = chunk.adapter
         self._set_state(rollout_pb2.WEIGHTS_STATE_READY, "")
         metrics.WEIGHT_VERSION.set(version)
         await self._unfreeze(version)
@@ -411,7 +437,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 weights_checksum=self.checksum if self.state == rollout_pb2.WEIGHTS_STATE_READY else "",
                 vocab_size=f.vocab_size, engine_kind=_ENGINE_KINDS[f.engine_kind], engine_version=f.engine_version,
                 weights_dtype=WIRE_DTYPES.get(f.dtype, 0), tensor_parallel_size=f.tensor_parallel_size,
-                weights_state=self.state, weights_state_detail=self.state_detail, sleep_level=self.sleep_level)
+                weights_state=self.state, weights_state_detail=self.state_detail, sleep_level=self.sleep_level,
+                adapter=adapter_to_proto(self.adapter) if self.adapter else None, lora_enabled=self.config.enable_lora)
             if request.include_parameters:
                 response.parameters.extend(
                     rollout_pb2.ParameterMeta(name=name, dtype=WIRE_DTYPES.get(f.dtype, 0), shape=list(shape))
@@ -432,6 +459,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 freed = await run_to_completion(self.engine.sleep(request.level))
                 self.asleep, self.sleep_level = set(SLEEP_TAGS), request.level
                 if request.level == 2:
+                    self.base_intact = False
                     self._set_state(rollout_pb2.WEIGHTS_STATE_INCOMPLETE,
                                     "Sleep(level=2) discarded the weights; push every parameter (UpdateWeights) "
                                     "after WakeUp")

