@@ -26,7 +26,7 @@ from services.learner.batches import decode_experience, decode_sequences, forwar
 from services.learner.config import LearnerConfig
 from services.learner.learner_rank import LearnerRank
 from services.learner.spmd import GroupError, RankGroupDriver
-from services.learner.weight_push import plan_chunks, update_request
+from services.learner.weight_push import plan_chunks, push_checksum, update_request
 
 SERVICE_NAME = "rlmesh.learner.v1.LearnerService"
 log = get_logger("learner")

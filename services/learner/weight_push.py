@@ -7,6 +7,11 @@ time, never the whole model), and then:
   gloo / nccl: rank 0 packs the bucket and broadcasts it to the engines' workers;
   ipc: every rank packs the bucket on its own GPU and shares a CUDA IPC handle of it, which the
        engine worker on that GPU opens; the buffers stay alive until the chunk is acknowledged.
+
+With LoRA (the actor is a PEFT model) a push carries the adapter's tensors alone, under the names
+the engines know (lora.adapter_state: model.layers.0.self_attn.q_proj.lora_A.weight, ...), and
+every UpdateWeights request declares the adapter (rank, scaling, target modules), which the
+engines merge into their --pretrain weights: megabytes per push instead of the whole model.
 """
 
 from __future__ import annotations
@@ -20,8 +25,21 @@ import torch
 
 from services.common import weights
 from services.common.errors import ServiceError, failed_precondition
+from services.learner import lora
 from services.learner.spmd import CANCEL
 from rlmesh.rollout.v1 import rollout_pb2
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterInfo:
+    """What the engines need to apply a pushed LoRA adapter (rollout.proto LoraAdapter)."""
+
+    rank: int
+    scaling: float
+    targets: tuple[str, ...]  # module names, e.g. "model.layers.0.self_attn.q_proj"
+
+    def to_proto(self) -> rollout_pb2.LoraAdapter:
+        return rollout_pb2.LoraAdapter(rank=self.rank, scaling=self.scaling, target_modules=list(self.targets))
 
 
 @dataclasses.dataclass
@@ -30,6 +48,7 @@ class Chunk:
 
     slots: list[weights.ParamSlot]
     bucket_sizes: list[int]
+    adapter: AdapterInfo | None = None  # set on every chunk of an adapter push
 
 
 def full_shape(p: torch.nn.Parameter) -> tuple[int, ...]:
@@ -37,18 +56,52 @@ def full_shape(p: torch.nn.Parameter) -> tuple[int, ...]:
     return tuple(getattr(p, "ds_shape", p.shape))
 
 
+def pushed_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """What a push of `module` carries, under the engines' names: the LoRA adapter's tensors for a
+    PEFT model, else every parameter."""
+    return lora.adapter_state(module) if lora.is_peft_model(module) else list(module.named_parameters())
+
+
+def adapter_info(module: torch.nn.Module) -> AdapterInfo | None:
+    """The pushed adapter of a PEFT model (None for any other): rank and scaling as its LoRA layers
+    apply them, and its target modules in push order."""
+    if not lora.is_peft_model(module):
+        return None
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in module.modules() if isinstance(m, LoraLayer) and lora.ADAPTER_NAME in m.scaling]
+    ranks = {m.r[lora.ADAPTER_NAME] for m in layers}
+    scalings = {m.scaling[lora.ADAPTER_NAME] for m in layers}
+    if len(ranks) != 1 or len(scalings) != 1:
+        raise failed_precondition(f"the adapter's layers have ranks {sorted(ranks)} and scalings {sorted(scalings)}; "
+                                  "an adapter push declares one of each: train with one --lora_rank and --lora_alpha")
+    suffix = ".lora_A.weight"
+    targets = tuple(name.removesuffix(suffix) for name, _ in lora.adapter_state(module) if name.endswith(suffix))
+    return AdapterInfo(ranks.pop(), float(scalings.pop()), targets)
+
+
 def plan_chunks(module: torch.nn.Module, wire_dtype: torch.dtype, bucket_bytes: int,
                 buckets_per_chunk: int) -> list[Chunk]:
-    """Buckets of every parameter in module order, grouped buckets_per_chunk at a time (0 = all)."""
-    params = [(name, wire_dtype, full_shape(p)) for name, p in module.named_parameters()]
+    """Buckets of every pushed tensor (pushed_parameters) in module order, grouped buckets_per_chunk
+    at a time (0 = all)."""
+    params = [(name, wire_dtype, full_shape(p)) for name, p in pushed_parameters(module)]
+    adapter = adapter_info(module)
     slots, sizes = weights.plan_buckets(params, bucket_bytes)
     per_chunk = buckets_per_chunk if buckets_per_chunk > 0 else len(sizes)
     chunks = []
     for first in range(0, len(sizes), per_chunk):
         last = min(first + per_chunk, len(sizes))
         members = [dataclasses.replace(s, bucket=s.bucket - first) for s in slots if first <= s.bucket < last]
-        chunks.append(Chunk(members, list(sizes[first:last])))
+        chunks.append(Chunk(members, list(sizes[first:last]), adapter))
     return chunks
+
+
+def push_checksum(entries: dict[str, weights.DigestEntry], chunks: list[Chunk]) -> str:
+    """The weights checksum of a push as sent (an adapter push's includes its scaling)."""
+    adapter = chunks[0].adapter if chunks else None
+    if adapter is None:
+        return weights.combine_digests(entries)
+    return weights.combine_digests(weights.adapter_checksum_entries(entries, adapter.scaling))
 
 
 class WeightSender:
@@ -91,7 +144,7 @@ class WeightSender:
         if not self.backend:
             raise failed_precondition("no weight transfer set up: call InitWeightTransfer first")
         self.release()
-        by_name = dict(module.named_parameters())
+        by_name = dict(pushed_parameters(module))
         entries: dict[str, weights.DigestEntry] = {}
         sums: list[tuple[torch.Tensor, list[weights.ParamSlot]]] = []
         ipc: list[bytes] = []
@@ -176,4 +229,5 @@ def update_request(version: int, chunk: Chunk, index: int, final: bool,
                    ipc_buckets: list[bytes]) -> rollout_pb2.UpdateWeightsRequest:
     buckets = [rollout_pb2.IpcBucket.FromString(b) for b in ipc_buckets]
     return weights.update_weights_request(version, chunk.slots, chunk.bucket_sizes, chunk_index=index,
-                                          final=final, ipc_buckets=buckets)
+                                          final=final, ipc_buckets=buckets,
+                                          adapter=chunk.adapter.to_proto() if chunk.adapter else None)
