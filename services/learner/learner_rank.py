@@ -38,6 +38,7 @@ from services.learner.deepspeed_setup import (
     trainable_parameters,
 )
 from services.learner.logprob_head import forward_micro_batch
+from services.learner.lora import save_adapter
 from services.learner.spmd import CANCEL, RankSpec, join_process_group
 from services.learner.weight_push import Chunk, WeightSender
 
@@ -375,13 +376,20 @@ class LearnerRank:
         try:
             state = {k: v.detach().to("cpu", dtype) for k, v in state.items()}
             module = engine.module
+            adapter = None if payload.get("critic") else self.config.lora
+            tokenizer = AutoTokenizer.from_pretrained(self.config.pretrain)
             saved_dtype = module.config.dtype
             module.config.dtype = dtype
             try:
-                module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+                if adapter is None:
+                    module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+                else:  # the PEFT adapter folder, and with --lora_merge_on_save the merged model in merged/
+                    save_adapter(module, state, tmp, adapter, self.config.lora_merge_on_save)
+                    if self.config.lora_merge_on_save:
+                        tokenizer.save_pretrained(tmp / "merged")
             finally:
                 module.config.dtype = saved_dtype
-            AutoTokenizer.from_pretrained(self.config.pretrain).save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
             checkpoint.fsync_tree(tmp)
             written = sorted(p.name for p in tmp.iterdir())
             previous = set(ownership.export_files(out))
@@ -390,6 +398,8 @@ class LearnerRank:
                 raise failed_precondition(f"output_dir {out}: the export would overwrite {foreign}, which the learner "
                                           "did not write; export into a new or empty folder, or move them away")
             for name in written:
+                if (out / name).is_dir() and name in previous:  # a folder of the last export (merged/)
+                    shutil.rmtree(out / name)
                 os.replace(tmp / name, out / name)
             # Plain names only: a marker edited to say "../x" must not reach outside the folder.
             for name in sorted(n for n in previous - set(written) if pathlib.Path(n).name == n and n not in (".", "..")):
@@ -399,7 +409,8 @@ class LearnerRank:
             checkpoint.fsync_path(out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        size = sum((out / name).stat().st_size for name in written if (out / name).is_file())
+        files = [p for name in written for p in ((out / name).rglob("*") if (out / name).is_dir() else [out / name])]
+        size = sum(p.stat().st_size for p in files if p.is_file())
         return {"path": str(out), "bytes": size}
 
     # ------------------------------------------------------------------------------------------
