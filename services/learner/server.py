@@ -414,7 +414,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                         raise invalid_argument("ack", f"chunk {index}", "expected PushWeightsRequest.ack for this "
                                                "chunk", "ack each chunk after every engine answered UpdateWeights")
                 await self._run("push_done", [{"version": start.version}] * self.world)
-            checksum = weights.combine_digests(entries)
+            checksum = push_checksum(entries, chunks)
             total = sum(s.nbytes for c in chunks for s in c.slots)
             PUSH_SECONDS.observe(timer.elapsed)
             PUSH_BYTES.inc(total)
