@@ -74,6 +74,8 @@ def rollout_argv(cfg: CoordinatorConfig) -> list[str]:
         argv += ["--max_num_batched_tokens", str(cfg.vllm_max_num_batched_tokens)]
     if cfg.vllm_quantization:
         argv += ["--quantization", cfg.vllm_quantization]
+    if cfg.lora_rank:  # pushes carry the actor's adapter, which the engines merge (services/rollout/adapters.py)
+        argv.append("--enable_lora")
     if cfg.rollout_engine == "hf" and not cfg.on_gpu:
         argv += ["--hf_device", "cpu"]
     return argv + shlex.split(cfg.rollout_extra_args)
