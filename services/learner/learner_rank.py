@@ -27,7 +27,7 @@ from services.common.errors import failed_precondition
 from services.common.log import get_logger, log_event
 from services.common.logprobs import sequence_logprobs, token_logprobs
 from services.common import ownership
-from services.learner import checkpoint, logprob_head, universal
+from services.learner import checkpoint, host_offload, logprob_head, universal
 from services.learner.batches import MicroBatch, Sample, StepPlan, collate, ragged_rows
 from services.learner.config import LearnerConfig
 from services.learner.deepspeed_setup import (
@@ -424,7 +424,7 @@ class LearnerRank:
             if self.config.zero_stage == 0:
                 raise failed_precondition("Offload needs --zero_stage 1, 2 or 3 (DeepSpeed moves ZeRO states only)")
             for engine in self._engines().values():
-                engine.offload_states()
+                host_offload.offload_engine(engine)
             torch.cuda.empty_cache()
             moved = True
         self.offloaded = True
@@ -436,7 +436,7 @@ class LearnerRank:
         moved = False
         if self.device.type == "cuda":
             for engine in self._engines().values():
-                engine.reload_states()
+                host_offload.reload_engine(engine)
             moved = True
         self.offloaded = False
         return moved

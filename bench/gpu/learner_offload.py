@@ -1,0 +1,132 @@
+"""The learner's offload and reload (--deepspeed_enable_sleep) on one GPU: DeepSpeed's own
+offload_states / reload_states against services/learner/host_offload.py, on the same engine, in one run.
+
+    python bench/gpu/learner_offload.py                 # Qwen2.5-0.5B shapes, random, bf16, ZeRO-2, AdamW
+    python bench/gpu/learner_offload.py --zero_stage 3 --cycles 5
+
+A random Qwen2 with Qwen2.5-0.5B's shapes is loaded into a DeepSpeed engine (one process, nccl,
+bf16, ZeRO-2 by default, torch's fused AdamW as the learner uses on CUDA) and takes one optimizer
+step so every state exists. Then --cycles offload + reload cycles with DeepSpeed's calls, and as
+many with host_offload's after them (not interleaved: buffers host_offload keeps would serve
+DeepSpeed's next offload too); the first cycle of each is a warm-up, shown and not counted. After every reload the weights' checksum
+must equal the one before the offload, and GPU memory after an offload must be back near the
+model-free baseline. Prints the median seconds of each direction and the ratio ours / DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
+
+import torch  # noqa: E402
+
+from services.learner import host_offload  # noqa: E402
+
+QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
+                  tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--zero_stage", type=int, default=2, choices=[1, 2, 3])
+    p.add_argument("--cycles", type=int, default=4, help="timed cycles per method (after one warm-up each)")
+    return p.parse_args(argv)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def checksum(model: torch.nn.Module) -> float:
+    with torch.no_grad():
+        # ZeRO-3 keeps each parameter's partition in ds_tensor (the parameter itself is empty).
+        return float(sum(getattr(p, "ds_tensor", p).detach().float().sum() for p in model.parameters()))
+
+
+def build_engine(zero_stage: int):
+    import deepspeed
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    deepspeed.init_distributed(dist_backend="nccl")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(**QWEN25_05B), dtype=torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+                 "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    ids = torch.randint(0, QWEN25_05B["vocab_size"], (1, 256), device=engine.device)
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    torch.cuda.synchronize()
+    return engine
+
+
+def cycle(engine, method: str) -> tuple[float, float, int]:
+    """One offload + reload; (offload s, reload s, GPU bytes allocated while offloaded)."""
+    before = checksum(engine.module)
+    if method == "deepspeed":
+        t0 = time.monotonic()
+        engine.offload_states()
+        torch.cuda.synchronize()
+        off = time.monotonic() - t0
+    else:
+        off = host_offload.offload_engine(engine)
+    torch.cuda.empty_cache()
+    resident = torch.cuda.memory_allocated()
+    if method == "deepspeed":
+        t0 = time.monotonic()
+        engine.reload_states()
+        torch.cuda.synchronize()
+        back = time.monotonic() - t0
+    else:
+        back = host_offload.reload_engine(engine)
+    after = checksum(engine.module)
+    if after != before:
+        raise SystemExit(f"{method}: weights changed over an offload + reload ({before} -> {after})")
+    return off, back, resident
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU")
+        return 2
+    tempfile.tempdir = tempfile.mkdtemp(prefix="rlmesh-offload-")
+    engine = build_engine(args.zero_stage)
+    loaded = torch.cuda.memory_allocated()
+    params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
+    print(f"ZeRO-{args.zero_stage}, {params / 1e6:.0f}M parameters, "
+          f"{loaded / 2**30:.2f} GiB allocated with the optimizer states")
+    times = {"deepspeed": [], "host_offload": []}
+    for method in times:
+        for i in range(args.cycles + 1):
+            off, back, resident = cycle(engine, method)
+            tag = "warm-up" if i == 0 else f"cycle {i}"
+            print(f"{method:12s} {tag:8s} offload {off:.3f} s  reload {back:.3f} s  "
+                  f"allocated while offloaded {resident / 2**30:.2f} GiB")
+            if i:
+                times[method].append((off, back))
+    med = {m: (statistics.median(o for o, _ in v), statistics.median(b for _, b in v)) for m, v in times.items()}
+    for m, (o, b) in med.items():
+        print(f"median {m:12s} offload {o:.3f} s  reload {b:.3f} s")
+    (do, db), (ho, hb) = med["deepspeed"], med["host_offload"]
+    print(f"ratio host_offload / deepspeed: offload {ho / do:.2f}x, reload {hb / db:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
