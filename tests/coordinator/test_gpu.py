@@ -10,10 +10,14 @@ IPC and are verified on the engine after every step. The runs are pinned to the 
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import time
 
 import pytest
 
+from tests.chaos.harness import Holds
 from tests.coordinator.conftest import finish, pid_alive, read_metrics, service_pids, start_coordinator
 from tests.coordinator.test_local import seed_grpo_command
 
@@ -53,3 +57,51 @@ def test_hybrid_engine_on_one_gpu_ray(tiny_model_dir, tiny_reward_model_dir, tin
     pytest.importorskip("ray")
     output, _ = run_hybrid(tmp_path, monkeypatch, tiny_model_dir, tiny_reward_model_dir, tiny_data_dir, "--placement", "ray")
     assert "ray.connected address=local gpus=1" in output
+
+
+def test_engine_restarted_while_the_learner_trains_waits_for_it(tiny_model_dir, tiny_reward_model_dir, tiny_data_dir,
+                                                                 tmp_path, monkeypatch):
+    """The engine shares the learner's GPU (hybrid engine). Killed while step 2 trains (the learner
+    held at its TrainActor), it is not started again while the learner works: the supervisor's
+    restart waits ("rollout.restart_waits") through the training, the engine starts once the loop
+    needs it (step 2's push has no engine left), gets the current weights and the run ends with
+    every step. Without the wait the engine would start within the restart back-off, on the GPU the
+    learner is training on."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", first_visible_gpu())
+    training = "learner.train.started@learner:step2"
+    holds = Holds(tmp_path / "holds", training)
+    for key, value in holds.env().items():
+        monkeypatch.setenv(key, value)
+    argv = seed_grpo_command(tiny_model_dir, tiny_reward_model_dir, tiny_data_dir, tmp_path) + HYBRID + [
+        "--max_steps", "3", "--restart_backoff_s", "0.5", "--health_poll_s", "0.5"]
+    log = tmp_path / "coordinator.log"
+    proc = start_coordinator("services.coordinator.train_ppo_ray", argv, log)
+    try:
+        holds.wait(training, proc, timeout_s=400)
+        run = tmp_path / "run"
+        engine_pid = service_pids(run)["rollout-0"]
+        os.kill(engine_pid, signal.SIGKILL)
+        killed_at = time.time()
+        time.sleep(20)  # 40 restart back-offs: the engine would have been started again by now
+        events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+        kinds = [(e["event"], e.get("service")) for e in events]
+        assert ("service.died", "rollout-0") in kinds, kinds
+        assert ("rollout.restart_waits", "rollout-0") in kinds, kinds
+        assert ("service.restarted", "rollout-0") not in kinds, kinds
+        released_at = time.time()
+        holds.release(training)
+        output = finish(proc, log, timeout_s=540)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-6000:]
+    records = read_metrics(run)
+    assert [r["global_step"] for r in records] == [1, 2, 3]
+    assert all(r["samples/trained"] == 16 for r in records)
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    proceeds = [e for e in events if e["event"] == "rollout.restart_proceeds" and e["service"] == "rollout-0"]
+    restarted = [e for e in events if e["event"] == "service.restarted" and e["service"] == "rollout-0"]
+    admitted = [e for e in events if e["event"] == "rollout.admitted" and e["service"] == "rollout-0"]
+    assert proceeds and restarted and admitted, [e["event"] for e in events]
+    assert proceeds[0]["unix_time"] > released_at and proceeds[0]["waited_s"] >= 20, (proceeds, killed_at)
+    assert restarted[0]["unix_time"] > released_at

@@ -30,6 +30,7 @@ engine) whenever its membership changes: a gloo/NCCL group cannot lose or gain a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 
 import grpc
@@ -63,6 +64,8 @@ class Recovery:
         self.config = trainer.config
         supervisor.on_restarted.append(self._on_restarted)
         supervisor.on_died.append(self._on_died)
+        supervisor.restart_guard = self._restart_guard
+        self.colocation = trainer.colocation_state()
         # Scoring retries and instance changes go to the run's events.jsonl too.
         trainer.attach_recovery(self, self._prompts_moved, self._generate_refused, supervisor.event,
                                 self.refresh_status)
@@ -103,9 +106,42 @@ class Recovery:
             self.members.instance_died(role, i, f"{instance.name} died ({instance.last_death})")
 
     # ---- restarts: new addresses ----
+    @contextlib.asynccontextmanager
+    async def _restart_guard(self, instance: Instance):
+        """An engine on the learner's GPUs starts while the learner's states are in host memory, and
+        the learner's reload waits until the start (and its sleep, see _on_restarted) is over."""
+        gated = "rollout" in instance.roles and self.colocation.gates_restarts()
+        if gated:
+            if not self.colocation.learner_offloaded:
+                self.sup.event("rollout.restart_waits", service=instance.name, until="the learner's offload")
+            waited = await self.colocation.begin_engine_start(instance.name)
+            if waited > 0.05:
+                self.sup.event("rollout.restart_proceeds", service=instance.name, waited_s=round(waited, 2))
+        try:
+            yield
+        finally:
+            if gated:
+                await self.colocation.end_engine_start(instance.name)
+
+    @contextlib.asynccontextmanager
+    async def _blocked_on_restarts(self):
+        """The loop waits for restarted services: an engine on the learner's GPUs starts at once."""
+        await self.colocation.loop_waits_for_engine(True)
+        try:
+            yield
+        finally:
+            await self.colocation.loop_waits_for_engine(False)
+
     async def _on_restarted(self, instance: Instance) -> None:
         for role, i in self._roles_of(instance):
             self.members.instance_moved(role, i, instance.address)
+            if role == "rollout":
+                try:
+                    if await self.colocation.settle_restarted(self.members.engine(i)):
+                        self.sup.event("rollout.started_asleep", service=instance.name,
+                                       why="the other engines sleep while the learner works")
+                except grpc.aio.AioRpcError as exc:  # it died again: the supervisor sees to it
+                    self.sup.event("rollout.sleep_failed", service=instance.name, error=exc.details())
         if "learner" in instance.roles:
             # The loop keeps calling the dead address (and failing) until it has rewound: a call to
             # the restarted learner before it loaded the checkpoint would use --pretrain's weights.
@@ -191,10 +227,13 @@ class Recovery:
             waiting = [e for e in members if e.syncing]
             if version is not None and not waiting:
                 return {}
+            sleep_levels = []
             if waiting:
                 infos = await handle.engine_infos(waiting)
                 for engine, info in zip(waiting, infos):
                     engine.tensor_parallel_size = max(1, info.tensor_parallel_size)
+                sleep_levels = [info.sleep_level for info in infos]
+                await self.colocation.ready_for_admission(waiting, sleep_levels)  # came up asleep: weights back
             group = members if version is None else waiting
             if version is None:
                 # The version each engine holds, not the one last booked: a push whose answer was
@@ -213,6 +252,7 @@ class Recovery:
                     if info.weight_version != 0 or info.weights_state != rollout_pb2.WEIGHTS_STATE_READY:
                         raise RuntimeError(f"restarted rollout {engine.index} ({engine.address}) holds version "
                                            f"{info.weight_version}, not the initial weights the run still uses")
+            await self.colocation.match_admitted(waiting, sleep_levels)
             for engine in waiting:
                 engine.syncing, engine.healthy = False, True
                 instance = self._instance_of(engine)
@@ -274,7 +314,8 @@ class Recovery:
                 self.sup.event("setup.failed", services=",".join(i.name for i in down) or "learner",
                                error=f"{type(exc).__name__}: {str(exc)[:300]}",
                                action="start up again once they serve")
-            await self.sup.wait_back(self.config.service_start_timeout_s + 120.0)
+            async with self._blocked_on_restarts():
+                await self.sup.wait_back(self.config.service_start_timeout_s + 120.0)
             if self.learner_restarted:
                 self.t.reconnect_learner(self.sup.instances["learner"].address)
                 self.learner_restarted = False
@@ -292,15 +333,16 @@ class Recovery:
         weights the step generates with."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.service_start_timeout_s + 60.0
-        while not self.members.admitted_engines():
-            self.sup.raise_if_failed()
-            if any(e.syncing for e in self._members()):
-                await self._sync(self.t.weight_version())
-                continue
-            if loop.time() > deadline:
-                raise RuntimeError("no rollout engine came back within --service_start_timeout_s")
-            await self.sup.check_all()
-            await asyncio.sleep(0.25)
+        async with self._blocked_on_restarts():
+            while not self.members.admitted_engines():
+                self.sup.raise_if_failed()
+                if any(e.syncing for e in self._members()):
+                    await self._sync(self.t.weight_version())
+                    continue
+                if loop.time() > deadline:
+                    raise RuntimeError("no rollout engine came back within --service_start_timeout_s")
+                await self.sup.check_all()
+                await asyncio.sleep(0.25)
 
     async def push_weights(self) -> dict:
         """The step's push, redone on a new group when an engine dies during it (the learner keeps
@@ -329,10 +371,11 @@ class Recovery:
 
     async def wait_for_engine_serving(self) -> None:
         """Until some engine is admitted or restarted (syncing)."""
-        while not self._members():
-            self.sup.raise_if_failed()
-            await self.sup.check_all()
-            await asyncio.sleep(0.25)
+        async with self._blocked_on_restarts():
+            while not self._members():
+                self.sup.raise_if_failed()
+                await self.sup.check_all()
+                await asyncio.sleep(0.25)
 
     # ---- a failed step ----
     async def recover(self, exc: Exception, step: int) -> int:
@@ -349,7 +392,8 @@ class Recovery:
             raise exc
         self.sup.event("step.failed", step=step + 1, services=",".join(i.name for i in down) or "learner",
                        error=f"{type(exc).__name__}: {str(exc)[:300]}")
-        await self.sup.wait_back(cfg.service_start_timeout_s + 120.0)
+        async with self._blocked_on_restarts():
+            await self.sup.wait_back(cfg.service_start_timeout_s + 120.0)
         RECOVERED_SAMPLES.inc(lost_samples)
         if learner:
             return await self._rewind(step)

@@ -21,11 +21,13 @@ this module only keeps the instances alive and tells its listeners when one is b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import pathlib
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 
 import prometheus_client
 
@@ -86,6 +88,9 @@ class Supervisor:
         # Called with the instance once it serves again (recovery.py swaps clients and syncs weights).
         self.on_restarted: list[Callable[[Instance], Awaitable[None]]] = []
         self.on_died: list[Callable[[Instance], None]] = []  # called at once when a death is noticed
+        # Around each restart attempt and its listeners (recovery.py: an engine on the learner's GPUs
+        # waits for the learner's offload).
+        self.restart_guard: Callable[[Instance], AbstractAsyncContextManager] = lambda instance: contextlib.nullcontext()
         self._changed = asyncio.Condition()
         self._restarts: dict[str, asyncio.Task] = {}
         self._watch: asyncio.Task | None = None
@@ -162,30 +167,31 @@ class Supervisor:
                 break
             delay = min(self.backoff_s * 2 ** instance.restarts, MAX_BACKOFF_S)
             await asyncio.sleep(delay)
-            instance.state = STARTING
-            instance.restarts += 1
-            RESTARTS.labels(instance.name).inc()
-            t0 = time.monotonic()
-            try:
-                address = await self.placement.restart(instance.name)
-            except NoRoom as exc:
-                instance.state, instance.last_death = DEAD, f"restart failed: {exc}"
-                self._give_up(instance, f"could not be restarted: {exc}")
-                break
-            except Exception as exc:  # noqa: BLE001 - a failed start uses a restart of the budget, then retries
-                instance.last_death = f"restart failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
-                instance.state = DEAD
-                self.event("service.restart_failed", service=instance.name, error=str(exc).splitlines()[0],
-                           restarts=instance.restarts)
-                continue
-            instance.address = address
-            instance.state = SYNCING if "rollout" in instance.roles else SERVING
-            seconds = time.monotonic() - instance.died_at
-            RESTART_SECONDS.labels(instance.name).observe(seconds)
-            self.event("service.restarted", service=instance.name, address=address, restarts=instance.restarts,
-                       start_s=round(time.monotonic() - t0, 2), since_death_s=round(seconds, 2), backoff_s=delay)
-            for listener in self.on_restarted:
-                await listener(instance)
+            async with self.restart_guard(instance):
+                instance.state = STARTING
+                instance.restarts += 1
+                RESTARTS.labels(instance.name).inc()
+                t0 = time.monotonic()
+                try:
+                    address = await self.placement.restart(instance.name)
+                except NoRoom as exc:
+                    instance.state, instance.last_death = DEAD, f"restart failed: {exc}"
+                    self._give_up(instance, f"could not be restarted: {exc}")
+                    break
+                except Exception as exc:  # noqa: BLE001 - a failed start uses a restart of the budget, then retries
+                    instance.last_death = f"restart failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+                    instance.state = DEAD
+                    self.event("service.restart_failed", service=instance.name, error=str(exc).splitlines()[0],
+                               restarts=instance.restarts)
+                    continue
+                instance.address = address
+                instance.state = SYNCING if "rollout" in instance.roles else SERVING
+                seconds = time.monotonic() - instance.died_at
+                RESTART_SECONDS.labels(instance.name).observe(seconds)
+                self.event("service.restarted", service=instance.name, address=address, restarts=instance.restarts,
+                           start_s=round(time.monotonic() - t0, 2), since_death_s=round(seconds, 2), backoff_s=delay)
+                for listener in self.on_restarted:
+                    await listener(instance)
             break
         await self._notify()
 

@@ -3,15 +3,22 @@
 The loop sequences wake -> work -> sleep so vLLM and DeepSpeed never hold a GPU's memory at once:
 the engines sleep after generating and wake (weights first, KV cache at the next generation); the
 learner's states go to host memory after a step and come back before its log-probs or a checkpoint.
+
+A rollout engine restarted on the learner's GPUs (--colocate_all_models with both sleeps) does not
+start while the learner works (from its reload to its offload) unless the loop waits for that
+engine; it comes up asleep when the other engines sleep, and the learner's reload waits until such
+a start is over. Its weights wake for the push that admits it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
 
 from rlmesh.learner.v1 import learner_pb2
+from rlmesh.rollout.v1 import rollout_pb2
 from services.common.log import get_logger, log_event
 
 _log = get_logger("coordinator")
@@ -26,6 +33,10 @@ class Colocation:
         self.asleep: set[str] = set()  # what the engines have released: weights, kv_cache
         self.rollout_sleeps = config.vllm_enable_sleep  # False once an engine says it cannot sleep
         self.learner_offloaded = False  # learner states in host memory (--deepspeed_enable_sleep)
+        self.learner_working = False  # from a reload to the next offload: no colocated engine starts
+        self.loop_waits = 0  # the loop waits for an engine to come back: its start cannot wait
+        self.starting: set[str] = set()  # engines restarting on the learner's GPUs: its reload waits
+        self._changed = asyncio.Condition()
 
     async def wake_rollout(self, tags: tuple[str, ...] | None = None) -> None:
         """Wakes what the engines released (`tags`: only those, e.g. ("weights",) before a push)."""
@@ -56,6 +67,7 @@ class Colocation:
         t0 = time.monotonic()
         await self.learner.Offload(learner_pb2.OffloadRequest(), timeout=120.0)
         self.learner_offloaded = True
+        await self._set(learner_working=False)
         return time.monotonic() - t0
 
     async def reload_learner(self) -> float:
@@ -63,6 +75,66 @@ class Colocation:
         if not self.learner_offloaded:
             return 0.0
         t0 = time.monotonic()
+        if self.starting:
+            log_event(_log, "learner.reload_waits", services=",".join(sorted(self.starting)),
+                      until="their start is over")
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self.starting)
+            self.learner_working = True  # from here a colocated engine's restart waits for the offload
         await self.learner.Reload(learner_pb2.ReloadRequest(), timeout=120.0)
         self.learner_offloaded = False
         return time.monotonic() - t0
+
+    # ---- an engine restarting on the learner's GPUs ----
+    def gates_restarts(self) -> bool:
+        """Whether a restarted engine shares the learner's GPUs and memory is handed over by sleeping."""
+        c = self.config
+        return bool(c.colocate_all_models and c.vllm_enable_sleep and c.deepspeed_enable_sleep and self.rollout_sleeps)
+
+    async def _set(self, **fields) -> None:
+        async with self._changed:
+            for key, value in fields.items():
+                setattr(self, key, value)
+            self._changed.notify_all()
+
+    async def begin_engine_start(self, name: str) -> float:
+        """Waits until the learner does not work (or the loop waits for an engine), then counts
+        `name` as starting (the learner's reload waits for it); returns the seconds waited."""
+        t0 = time.monotonic()
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self.learner_working or self.loop_waits > 0)
+            self.starting.add(name)
+        return time.monotonic() - t0
+
+    async def end_engine_start(self, name: str) -> None:
+        async with self._changed:
+            self.starting.discard(name)
+            self._changed.notify_all()
+
+    async def loop_waits_for_engine(self, waiting: bool) -> None:
+        """The loop blocks on a restarted engine (no engine left, or a push without members): the
+        engine's start goes ahead even while the learner holds its GPU memory."""
+        async with self._changed:
+            self.loop_waits += 1 if waiting else -1
+            self._changed.notify_all()
+
+    async def settle_restarted(self, engine) -> bool:
+        """A restarted engine sleeps at once when the others do; True when it was put to sleep."""
+        if not (self.rollout_sleeps and "weights" in self.asleep):
+            return False
+        await engine.stub.Sleep(rollout_pb2.SleepRequest(level=1), timeout=300.0)
+        return True
+
+    async def ready_for_admission(self, engines: list, sleep_levels: list[int]) -> None:
+        """Engines about to get the push that admits them: the asleep ones wake their weights."""
+        asleep = [e for e, level in zip(engines, sleep_levels) if level > 0]
+        await asyncio.gather(*(e.stub.WakeUp(rollout_pb2.WakeUpRequest(tags=["weights"]), timeout=300.0)
+                               for e in asleep))
+
+    async def match_admitted(self, engines: list, sleep_levels: list[int]) -> None:
+        """After that push: what the admitted engines hold awake, these hold too (their KV cache)."""
+        tags = sorted({"weights", "kv_cache"} - self.asleep)
+        asleep = [e for e, level in zip(engines, sleep_levels) if level > 0]
+        if tags and asleep:
+            await asyncio.gather(*(e.stub.WakeUp(rollout_pb2.WakeUpRequest(tags=tags), timeout=300.0)
+                                   for e in asleep))

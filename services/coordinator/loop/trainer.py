@@ -449,6 +449,10 @@ class Trainer(RunCheckpoints):
         self.rewards.on_event = self.references.on_event = on_event  # retries go to the run's events
         self.control.refresh_services = refresh_services
 
+    def colocation_state(self):
+        """Who holds the shared GPUs' memory (loop/colocation.py): restarts of colocated engines follow it."""
+        return self.colocation
+
     def show_services(self, entries: list[ServiceEntry]) -> None:
         """The service list the control API reports (GetStatus)."""
         self.control.services = entries
