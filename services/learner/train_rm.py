@@ -27,6 +27,7 @@ from services.common.datasets import load_preferences
 from services.common.user_errors import run_command
 from services.learner.deepspeed_setup import load_pretrained
 from services.learner.logprob_head import forward_micro_batch
+from services.learner.lora import is_peft_model
 from services.learner.offline import (
     OfflineConfig,
     OfflineTrainer,
@@ -115,7 +116,8 @@ class RMTrainer(OfflineTrainer):
         rows = self.eval_rows or self.train_rows[rank * per_rank:(rank + 1) * per_rank]
         stats = self.evaluate(engine, rows)
         std = math.sqrt(max(stats["score_mean_square"] - stats["score_mean"] ** 2, 0.0))
-        architecture = sequence_classification_architecture(type(engine.module).__name__)
+        module = engine.module.get_base_model() if is_peft_model(engine.module) else engine.module
+        architecture = sequence_classification_architecture(type(module).__name__)
         # With LoRA the merged model is written too: the reward service loads a whole model.
         save_hf_model(engine, tokenizer, path, rank, config_updates={
             "mean": stats["score_mean"], "std": std, "architectures": [architecture],
