@@ -183,3 +183,46 @@ def test_abbreviations_are_rejected(capsys):
 def test_normalize_reward_without_a_reward_model_says_why_it_does_nothing(paths):
     with pytest.warns(UserWarning, match="--normalize_reward normalises a reward model's scores"):
         parse(base(paths, "--normalize_reward"))
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--lora_rank", "-2"], "--lora_rank -2 must be >= 0"),
+    (["--lora_rank", "8", "--lora_alpha", "0"], "--lora_alpha 0.0 must be > 0"),
+    (["--lora_rank", "8", "--lora_dropout", "1"], "--lora_dropout 1.0 must be in [0, 1)"),
+    (["--lora_rank", "8", "--lora_dropout", "-0.1"], "--lora_dropout -0.1 must be in [0, 1)"),
+    (["--lora_alpha", "32"], "--lora_alpha is a LoRA option, but --lora_rank is 0"),
+    (["--target_modules", "q_proj"], "--target_modules is a LoRA option, but --lora_rank is 0"),
+    (["--lora_merge_on_save"], "--lora_merge_on_save merges a LoRA adapter"),
+    (["--lora_rank", "8", "--target_modules", "all-linear", "q_proj"], "all-linear already means every linear"),
+    (["--lora_rank", "8", "--target_modules", "q_proj", "attn_out"],
+     "--target_modules attn_out: the model {model} has no such module; its linear modules are q_proj, k_proj, "
+     "v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head"),
+])
+def test_lora_flags_are_checked_before_anything_starts(tiny_model_dir, paths, extra, words):
+    argv = base(paths, *extra)
+    argv[argv.index("--pretrain") + 1] = str(tiny_model_dir)
+    with pytest.raises(ConfigError) as err:
+        parse(argv)
+    assert words.format(model=tiny_model_dir) in str(err.value)
+
+
+def test_lora_flags_reach_the_actors_learner_only(tiny_model_dir, paths):
+    from services.coordinator.fleet.placement import learner_argv
+
+    argv = base(paths, "--lora_rank", "16", "--lora_alpha", "32", "--target_modules", "q_proj", "v_proj",
+                "--lora_dropout", "0.05", "--lora_merge_on_save")
+    argv[argv.index("--pretrain") + 1] = str(tiny_model_dir)
+    line = " ".join(learner_argv(parse(argv), total_steps=4, num_ranks=1))
+    assert ("--lora_rank 16 --lora_alpha 32.0 --target_modules q_proj v_proj --lora_dropout 0.05 "
+            "--lora_merge_on_save") in line
+    # The learner takes them as the actor's adapter, and the same checks apply there.
+    learner = parse_learner(learner_argv(parse(argv), total_steps=4, num_ranks=1))
+    assert learner.lora == learner.lora.__class__(16, 32.0, ("q_proj", "v_proj"), 0.05)
+    with pytest.raises(ConfigError, match="--target_modules nope: the model"):
+        parse_learner(["--pretrain", str(tiny_model_dir), "--lora_rank", "4", "--target_modules", "nope"])
+
+
+def parse_learner(argv):
+    from services.learner.config import LearnerConfig
+
+    return config_from_args(LearnerConfig, build_parser(LearnerConfig).parse_args(argv))
