@@ -35,3 +35,22 @@ def test_adapter_state_is_exactly_the_trainable_adapter(tiny_model_dir):
     ids = torch.tensor([[1, 5, 9, 12]])
     reference = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     torch.testing.assert_close(peft_model(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def test_merged_state_dict_equals_peft_merge_and_unload(tiny_reward_model_dir):
+    """The merge the saved merged/ folder is written with, on a critic (its head trained beside the adapter)."""
+    from services.learner.lora import merged_state_dict
+
+    config = transformers.AutoConfig.from_pretrained(tiny_reward_model_dir, num_labels=1)
+    model = transformers.AutoModelForTokenClassification.from_pretrained(tiny_reward_model_dir, config=config)
+    options = LoraOptions(rank=4, alpha=12, target_modules=("q_proj", "up_proj"))
+    peft_model = apply_lora(model, options, kind="critic")
+    with torch.no_grad():
+        for _, p in peft_model.named_parameters():
+            if p.requires_grad:  # the adapter and the head's trained copy
+                p.add_(torch.randn_like(p) * 0.05)
+    merged = merged_state_dict(peft_model.state_dict(), scaling(options))
+    expected = peft_model.merge_and_unload().state_dict()
+    assert merged.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(merged[name], expected[name], rtol=1e-6, atol=1e-6, msg=name)
