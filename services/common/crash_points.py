@@ -1,13 +1,12 @@
 """Named crash points: a test-only switch that makes a process kill itself (SIGKILL) at a chosen
 moment of the checkpoint, weight-push, rank-group or step protocol.
 
-    RLMESH_CRASH_AT="<point>[@<who>][:<call>][#<n>][,<point>...]"
+    RLMESH_CRASH_AT="<point>[@<who>][#<n>][,<point>...]"
         point  a name from POINTS
         who    only this process: a service name as the coordinator's launcher names it ("learner",
                "rollout-1", "reward-ref-0"), "rank<N>" for one rank of a learner, or "coordinator"
-        call   only where the point is reached for this call: its request id, or the id followed by
-               "-" and more ("step3" matches "step3" and "step3-9f2c", not "step30")
         n      the n-th time this process reaches the point (default: the first)
+    (Hold points, services/common/hold_points.py, also take ":<call>": the request they serve.)
     RLMESH_CRASH_ONCE_DIR=<folder>
         each entry fires once over all processes (a file per fired entry, created exclusively),
         so a restarted process that reaches the same point again lives on; without it every
@@ -92,8 +91,9 @@ class Entry:
         return self.seen == self.nth
 
 
-def parse_entries(variable: str, points: dict[str, str]) -> list[Entry]:
-    """The entries of the environment variable `variable`, each naming one of `points`."""
+def parse_entries(variable: str, points: dict[str, str], calls: bool) -> list[Entry]:
+    """The entries of the environment variable `variable`, each naming one of `points`; `calls`:
+    whether the points pass the request they serve (an entry may then name one after ':')."""
     entries = []
     for item in (part.strip() for part in os.environ.get(variable, "").split(",")):
         if not item:
@@ -103,6 +103,9 @@ def parse_entries(variable: str, points: dict[str, str]) -> list[Entry]:
         point, _, who = rest.partition("@")
         if point not in points:
             raise SystemExit(f"{variable}: {item!r} names no point; the points are: {', '.join(points)}")
+        if call and not calls:
+            raise SystemExit(f"{variable}: {item!r}: these points take no ':<request id>' (they are passed "
+                             "none); pick the pass with '#N' instead")
         if nth and not (nth.isdigit() and int(nth) >= 1):
             raise SystemExit(f"{variable}: {item!r}: the count after '#' must be a whole number >= 1")
         entries.append(Entry(item, point, who, call, int(nth or 1)))
@@ -130,18 +133,17 @@ def claim_file(folder: pathlib.Path, entry: Entry, prefix: str) -> bool:
     return True
 
 
-_PLAN = parse_entries("RLMESH_CRASH_AT", POINTS) or None
+_PLAN = parse_entries("RLMESH_CRASH_AT", POINTS, calls=False) or None
 _ONCE_DIR = os.environ.get("RLMESH_CRASH_ONCE_DIR", "")
 
 
-def crash_point(name: str, call: str = "") -> None:
+def crash_point(name: str) -> None:
     """Kills this process (SIGKILL, no cleanup, as a power cut or the OOM killer) when the switch
-    names `name` for it (and `call`, the request it serves, where the entry names one); otherwise
-    does nothing."""
+    names `name` for it; otherwise does nothing."""
     if _PLAN is None:
         return
     if name not in POINTS:
         raise ValueError(f"crash_point({name!r}): not in services.common.crash_points.POINTS; add it there")
     for entry in _PLAN:
-        if entry.reached(name, call) and (not _ONCE_DIR or claim_file(pathlib.Path(_ONCE_DIR), entry, "fired-")):
+        if entry.reached(name, "") and (not _ONCE_DIR or claim_file(pathlib.Path(_ONCE_DIR), entry, "fired-")):
             os.kill(os.getpid(), signal.SIGKILL)

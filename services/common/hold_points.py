@@ -2,7 +2,9 @@
 test lets it go, so that a test can act "while step 3 trains" or "while rollout-0 generates step 1"
 however fast or slow the machine is, instead of polling for a window that a loaded machine can miss.
 
-    RLMESH_HOLD_AT="<point>[@<who>][:<call>][#<n>][,<point>...]"   (as RLMESH_CRASH_AT)
+    RLMESH_HOLD_AT="<point>[@<who>][:<call>][#<n>][,<point>...]"   (as RLMESH_CRASH_AT, and:)
+        call   only where the point is reached for this call: its request id, or the id followed by
+               "-" and more ("step3" matches "step3" and "step3-9f2c", not "step30")
     RLMESH_HOLD_DIR=<folder>
 
 When a process reaches an entry, it creates <folder>/held-<entry> (exclusively: each entry holds
@@ -27,7 +29,7 @@ POINTS: dict[str, str] = {
                              "the first micro-batch",
 }
 
-_PLAN = parse_entries("RLMESH_HOLD_AT", POINTS) or None
+_PLAN = parse_entries("RLMESH_HOLD_AT", POINTS, calls=True) or None
 _DIR = pathlib.Path(os.environ.get("RLMESH_HOLD_DIR", "."))
 if _PLAN is not None and not os.environ.get("RLMESH_HOLD_DIR"):
     raise SystemExit("RLMESH_HOLD_AT needs RLMESH_HOLD_DIR: the folder where held-/release- files are written")

@@ -58,15 +58,21 @@ def test_a_wrong_entry_stops_the_process_with_the_fix():
 
 
 def test_a_call_filter_matches_the_request_id_or_its_prefix_before_a_dash():
-    code = ("import sys\nfrom services.common.crash_points import crash_point\n"
-            f"for call in sys.argv[1:]:\n    print(call, flush=True)\n    crash_point({POINT!r}, call)\nprint('lived')")
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("RLMESH_") and k != "RANK"}
+    """The ':<call>' filter hold points take (crash points are passed no request id: refused)."""
+    def passes(*ids: str) -> list[str]:
+        entry = crash_points.Entry(f"{POINT}:step3", POINT, "", "step3", 1)
+        out = []
+        for call in ids:
+            out.append(call)
+            if entry.reached(POINT, call):
+                return out
+        return [*out, "lived"]
 
-    def calls(*ids: str) -> list[str]:
-        proc = subprocess.run([sys.executable, "-c", code, *ids], cwd=REPO, capture_output=True, text=True, timeout=60,
-                              env={**clean, "PYTHONPATH": str(REPO), "RLMESH_CRASH_AT": f"{POINT}:step3"})
-        return proc.stdout.split()
+    assert passes("step30", "step13", "step3-ab12", "step4") == ["step30", "step13", "step3-ab12"]
+    assert passes("step2", "step3") == ["step2", "step3"]
+    assert passes("step2", "step30-x", "step4") == ["step2", "step30-x", "step4", "lived"]
 
-    assert calls("step30", "step13", "step3-ab12", "step4") == ["step30", "step13", "step3-ab12"]
-    assert calls("step2", "step3") == ["step2", "step3"]
-    assert calls("step2", "step30-x", "step4") == ["step2", "step30-x", "step4", "lived"]
+
+def test_a_crash_entry_naming_a_call_is_refused():
+    proc = run(1, RLMESH_CRASH_AT=f"{POINT}:step3")
+    assert proc.returncode == 1 and "take no ':<request id>'" in proc.stderr and "'#N'" in proc.stderr
