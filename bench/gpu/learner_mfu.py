@@ -2,6 +2,7 @@
 
     python bench/gpu/learner_mfu.py                                  # Qwen2.5-0.5B shapes, random, bf16, ZeRO-2
     python bench/gpu/learner_mfu.py --variants plain fast --batch 16 --seq_len 2048 --calls 4
+    python bench/gpu/learner_mfu.py --variants fast lora         # LoRA against full fine-tuning
 
 A random Qwen2 with Qwen2.5-0.5B's shapes (494M parameters, 151,936-token vocabulary) is written
 to a temp folder; for each variant a learner service is started on the GPU (`python -m
@@ -11,7 +12,12 @@ one optimizer step per call, after one warm-up call. Variants:
   plain: padded micro-batches of --plain_micro samples, full logits + log-softmax, sdpa attention;
   fast:  the same samples packed into one row per micro-batch of --fast_micro samples, varlen
          FlashAttention (PyTorch's), the fused log-prob head (--logprobs_head fused: no float32
-         logits, no recomputation), and liger-kernel's RMSNorm / SwiGLU / RoPE when installed.
+         logits, no recomputation), and liger-kernel's RMSNorm / SwiGLU / RoPE when installed;
+  lora:  fast, training LoRA adapters only (--lora_rank 16 --lora_alpha 32, every linear module):
+         the base weights take no gradients and no optimizer states.
+For each variant the GPU's memory in use (nvidia-smi, sampled every 0.1 s) is reported at its
+peak over the timed calls. MFU counts the full model's FLOPs for every variant (LoRA still runs
+the whole forward and the activations' backward; its skipped weight gradients are not credited).
 Both use torch's fused AdamW (the learner's default on CUDA). The learner processes run with
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (unless set already): a packed micro-batch of 64
 samples (~100k tokens) needs most of the GPU and fits only without the caching allocator's
@@ -28,8 +34,10 @@ import argparse
 import importlib.util
 import os
 import pathlib
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -47,7 +55,7 @@ QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", nargs="*", default=["plain", "fast"], choices=["plain", "fast"])
+    p.add_argument("--variants", nargs="*", default=["plain", "fast"], choices=["plain", "fast", "lora"])
     p.add_argument("--batch", type=int, default=128, help="samples per TrainActor call = train_batch_size (OpenRLHF's default)")
     p.add_argument("--seq_len", type=int, default=2048, help="longest sequence, tokens")
     p.add_argument("--plain_micro", type=int, default=4, help="plain: samples per micro-batch")
@@ -93,8 +101,34 @@ def variant_args(name: str, args) -> list[str]:
     if name == "plain":
         return common + ["--micro_train_batch_size", str(args.plain_micro), "--attn_implementation", "sdpa"]
     liger = ["--use_liger_kernel"] if importlib.util.find_spec("liger_kernel") else []
+    lora = ["--lora_rank", "16", "--lora_alpha", "32", "--target_modules", "all-linear"] if name == "lora" else []
     return common + ["--micro_train_batch_size", str(args.fast_micro), "--packing_samples",
-                     "--attn_implementation", "varlen", "--logprobs_head", "fused", *liger]
+                     "--attn_implementation", "varlen", "--logprobs_head", "fused", *liger, *lora]
+
+
+class MemorySampler:
+    """The GPU's memory in use (MiB, nvidia-smi) every 0.1 s on a thread; `peak` over the samples."""
+
+    def __init__(self):
+        gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+        self.cmd = ["nvidia-smi", "-i", gpu, "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+        self.peak, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            out = subprocess.run(self.cmd, capture_output=True, text=True).stdout.strip()
+            if out:
+                self.peak = max(self.peak, int(out.splitlines()[0]))
+            self._stop.wait(0.1)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
 
 
 def run_variant(name: str, args, model_dir: pathlib.Path, tmp: pathlib.Path, flops_per_token) -> dict:
@@ -106,16 +140,17 @@ def run_variant(name: str, args, model_dir: pathlib.Path, tmp: pathlib.Path, flo
         request = pb.TrainActorRequest(batch=experience(seqs, starts, old_logprobs=old, advantages=adv))
         learner.stub.TrainActor(request, timeout=900)  # warm-up
         tokens = sum(len(s) for s in seqs)
-        start = time.perf_counter()
-        for _ in range(args.calls):
-            r = learner.stub.TrainActor(request, timeout=900)
-            assert r.optimizer_steps == 1, r
-        seconds = (time.perf_counter() - start) / args.calls
+        with MemorySampler() as memory:
+            start = time.perf_counter()
+            for _ in range(args.calls):
+                r = learner.stub.TrainActor(request, timeout=900)
+                assert r.optimizer_steps == 1, r
+            seconds = (time.perf_counter() - start) / args.calls
     finally:
         learner.stop()
     flops = sum(flops_per_token(len(s)) * len(s) for s in seqs)
     return {"variant": name, "tokens_per_s": tokens / seconds, "mfu": flops / seconds / (args.peak_tflops * 1e12),
-            "seconds": seconds}
+            "seconds": seconds, "peak_mib": memory.peak}
 
 
 def main(argv=None) -> int:
@@ -137,15 +172,19 @@ def main(argv=None) -> int:
               f"{args.seq_len // 2}-{args.seq_len} tokens per step, peak {args.peak_tflops:.0f} TFLOP/s")
         print(f"liger-kernel {'installed' if importlib.util.find_spec('liger_kernel') else 'not installed'}; "
               f"PYTORCH_CUDA_ALLOC_CONF={os.environ['PYTORCH_CUDA_ALLOC_CONF']}")
-        print(f"{'variant':>8} {'s/step':>8} {'tokens/s':>10} {'MFU':>6}")
+        print(f"{'variant':>8} {'s/step':>8} {'tokens/s':>10} {'MFU':>6} {'GPU MiB':>8}")
         results = {}
         for name in args.variants:
             r = run_variant(name, args, tmp / "model", tmp, flops_per_token)
             results[name] = r
-            print(f"{name:>8} {r['seconds']:>8.3f} {r['tokens_per_s']:>10.0f} {r['mfu']:>6.3f}", flush=True)
+            print(f"{name:>8} {r['seconds']:>8.3f} {r['tokens_per_s']:>10.0f} {r['mfu']:>6.3f} {r['peak_mib']:>8}",
+                  flush=True)
         if {"plain", "fast"} <= results.keys():
             print(f"fast / plain: {results['fast']['tokens_per_s'] / results['plain']['tokens_per_s']:.2f}x "
                   f"(target MFU >= 0.40)")
+        if {"fast", "lora"} <= results.keys():
+            print(f"lora / fast: step time {results['lora']['seconds'] / results['fast']['seconds']:.2f}x, "
+                  f"peak GPU memory {results['lora']['peak_mib'] / results['fast']['peak_mib']:.2f}x")
     return 0
 
 

@@ -59,6 +59,23 @@ def test_hybrid_engine_on_one_gpu_ray(tiny_model_dir, tiny_reward_model_dir, tin
     assert "ray.connected address=local gpus=1" in output
 
 
+def test_hybrid_engine_on_one_gpu_with_lora(tiny_model_dir, tiny_reward_model_dir, tiny_data_dir, tmp_path,
+                                            monkeypatch):
+    """The same command with LoRA: the engine (CUDA vLLM, sleeping between generations) takes
+    adapter-only pushes over CUDA IPC, merged into its weights; each push is the adapter's bytes."""
+    from transformers import AutoModelForCausalLM
+
+    from services.learner.lora import LoraOptions, adapter_state, apply_lora
+
+    _, records = run_hybrid(tmp_path, monkeypatch, tiny_model_dir, tiny_reward_model_dir, tiny_data_dir,
+                            "--lora_rank", "8", "--lora_alpha", "16")
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraOptions(rank=8, alpha=16))
+    adapter_bytes = sum(p.numel() * 2 for _, p in adapter_state(model))  # bf16 on the wire
+    full_bytes = sum(p.numel() * 2 for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
+    assert [r["weights/bytes"] for r in records] == [adapter_bytes] * 2, (records, adapter_bytes, full_bytes)
+    assert adapter_bytes < full_bytes / 4
+
+
 def test_engine_restarted_while_the_learner_trains_waits_for_it(tiny_model_dir, tiny_reward_model_dir, tiny_data_dir,
                                                                  tmp_path, monkeypatch):
     """The engine shares the learner's GPU (hybrid engine). Killed while step 2 trains (the learner
