@@ -254,13 +254,19 @@ class Recovery:
                                            f"{info.weight_version}, not the initial weights the run still uses")
             await self.colocation.match_admitted(waiting, sleep_levels)
             for engine in waiting:
-                engine.syncing, engine.healthy = False, True
-                instance = self._instance_of(engine)
-                instance.state, instance.weight_version = SERVING, t.weight_version()
+                instance = self._admit(engine)
+                instance.weight_version = t.weight_version()
                 self.sup.event("rollout.admitted", service=instance.name, address=engine.address,
                                version=t.weight_version())
                 crash_point("coordinator.push.engine_admitted")
             return metrics
+
+    def _admit(self, engine) -> Instance:
+        """The engine gets prompts from now on (its weights were pushed or checked)."""
+        engine.syncing, engine.healthy = False, True
+        instance = self._instance_of(engine)
+        instance.state = SERVING
+        return instance
 
     def _group_stale(self) -> bool:
         return not self.members.weight_group_is(self._members())
@@ -323,8 +329,7 @@ class Recovery:
             # checked (checksum) or pushed there, as theirs are.
             for engine in self._members():
                 if engine.syncing:
-                    engine.syncing, engine.healthy = False, True
-                    self._instance_of(engine).state = SERVING
+                    self._admit(engine)
             self.members.drop_weight_group()
             self.members.use_rendezvous(await self.sup.placement.weight_sync_master(self.members.current_endpoints()))
 
