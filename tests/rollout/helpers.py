@@ -34,6 +34,8 @@ class RolloutProcess:
     address: str
     metrics_port: int
     log_path: pathlib.Path
+    # GetModelInfo(include_parameters) right after the start, before any test pushed weights.
+    info_at_start: rollout_pb2.GetModelInfoResponse | None = None
 
     def channel(self, timeout_s: float = 120.0) -> grpc.Channel:
         return make_sync_channel(self.address, default_timeout_s=timeout_s)
@@ -71,7 +73,11 @@ def start_rollout(model_dir: pathlib.Path, work_dir: pathlib.Path, *args: str, t
     except ServiceStartError:
         stop_rollout(proc)
         raise
-    return RolloutProcess(proc, info["address"], info["metrics_port"], log_path)
+    service = RolloutProcess(proc, info["address"], info["metrics_port"], log_path)
+    with service.channel() as channel:
+        service.info_at_start = service.stub(channel).GetModelInfo(
+            rollout_pb2.GetModelInfoRequest(include_parameters=True), timeout=60)
+    return service
 
 
 def stop_rollout(proc: subprocess.Popen) -> None:

@@ -51,14 +51,13 @@ def channel(vllm_rollout):
 
 
 @pytest.fixture(scope="module")
-def info_at_start(vllm_rollout, channel) -> rollout_pb2.GetModelInfoResponse:
-    """The engine's model info before any test of this module talked to it (some push new weights)."""
-    return vllm_rollout.stub(channel).GetModelInfo(rollout_pb2.GetModelInfoRequest(include_parameters=True))
+def info_at_start(vllm_rollout) -> rollout_pb2.GetModelInfoResponse:
+    """The engine's model info before any test talked to it (some push new weights, also in other modules)."""
+    return vllm_rollout.info_at_start
 
 
 @pytest.fixture(scope="module")
-def stub(vllm_rollout, channel, info_at_start):
-    # Every test that talks to the engine takes this stub, so info_at_start is read before any of them.
+def stub(vllm_rollout, channel):
     return vllm_rollout.stub(channel)
 
 
