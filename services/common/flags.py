@@ -74,6 +74,9 @@ LR_WARMUP_RATIO = SharedFlag("fraction of the run's optimizer steps spent warmin
                              lambda value: "" if 0 <= value <= 1 else "must be in [0, 1]")
 L2 = SharedFlag("AdamW weight decay (not applied to biases and norm weights)",
                 lambda value: "" if value >= 0 else "must be >= 0")
+ADAM_BETAS = SharedFlag("AdamW's beta1 beta2 (OpenRLHF's default 0.9 0.95; veRL's 0.9 0.999)",
+                        lambda value: "" if len(value) == 2 and all(0 <= b < 1 for b in value)
+                        else "must be two numbers in [0, 1) (e.g. 0.9 0.95)")
 USE_LIGER_KERNEL = SharedFlag("replace the model's RMSNorm, SwiGLU MLP and rotary embedding with the fused Triton "
                               "kernels of the liger-kernel package (CUDA; pip install liger-kernel)")
 PACKING_SAMPLES = SharedFlag("training: concatenate each micro-batch's samples into one row without padding "

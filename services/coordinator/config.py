@@ -121,6 +121,7 @@ class CoordinatorConfig(ServerConfig):
     lr_scheduler: str = flags.LR_SCHEDULER.field("cosine_with_min_lr")
     max_norm: float = flags.MAX_NORM.field(1.0)
     l2: float = flags.L2.field(0.0)
+    adam_betas: list[float] = flags.ADAM_BETAS.field([0.9, 0.95])
     adam_offload: bool = flags.ADAM_OFFLOAD.field(False)
     gradient_checkpointing: bool = flags.GRADIENT_CHECKPOINTING.field(False)
     flash_attn: bool = opt(False, "FlashAttention in the learner: the flash-attn package if installed, else "
@@ -539,6 +540,10 @@ class CoordinatorConfig(ServerConfig):
         if self.lora_merge_on_save and not self.lora_rank:
             raise ConfigError("--lora_merge_on_save merges a LoRA adapter into the saved model, but --lora_rank is 0; "
                               "give --lora_rank N, or drop --lora_merge_on_save")
+        if self.lora_rank and self.vllm_quantization:
+            raise ConfigError(f"--lora_rank {self.lora_rank} with --vllm_quantization {self.vllm_quantization}: the "
+                              "engines merge each pushed adapter into their weights, which a quantized engine cannot "
+                              "take; drop one of the two")
         model_config = pathlib.Path(self.pretrain) / "config.json" if self.pretrain else None
         if model_config is not None and model_config.is_file():
             context = json.loads(model_config.read_text()).get("max_position_embeddings")

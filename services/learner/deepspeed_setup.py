@@ -29,7 +29,7 @@ from typing import Literal
 import torch
 
 from services.common import flags
-from services.common.config import ConfigError, opt
+from services.common.config import ConfigError, check_fields, opt
 from services.common.flags import LR_SCHEDULERS
 from services.common.deepspeed_file import apply_flags, check_batches, merge, read_deepspeed_file
 from services.common.lora_check import check_lora
@@ -92,7 +92,7 @@ class DeepSpeedOptions:
     min_lr_ratio: float = opt(0.1, "cosine_with_min_lr: final learning rate as a fraction of the peak")
     max_steps: int = opt(0, "optimizer steps of the whole run, for the schedule (the coordinator computes it); "
                          "required by cosine_with_min_lr; 0 = unknown")
-    adam_betas: list[float] = opt([0.9, 0.95], "Adam beta1 beta2")
+    adam_betas: list[float] = flags.ADAM_BETAS.field([0.9, 0.95])
     l2: float = flags.L2.field(0.0)
     attn_implementation: str = opt("sdpa", "attention kernel of the transformers model; varlen: PyTorch's "
                                    "FlashAttention for variable-length sequences (CUDA; per-sequence sdpa "
@@ -130,6 +130,7 @@ class DeepSpeedOptions:
 
     def validate_deepspeed(self, world_size: int | None = None) -> None:
         self.apply_deepspeed_file()
+        check_fields(self)  # the shared flags' checks (services/common/flags.py), the file's values too
         if self.micro_train_batch_size < 1:
             raise ConfigError(f"--micro_train_batch_size {self.micro_train_batch_size} must be >= 1")
         if self.train_batch_size < 1:
@@ -150,8 +151,6 @@ class DeepSpeedOptions:
         if self.lr_scheduler == "cosine_with_min_lr" and self.max_steps < 1:
             raise ConfigError("--lr_scheduler cosine_with_min_lr needs --max_steps (optimizer steps of the run), "
                               "or use --lr_scheduler constant_with_warmup")
-        if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
-            raise ConfigError(f"--adam_betas {self.adam_betas} must be two numbers in [0, 1)")
         if self.deepspeed:
             check_batches(read_deepspeed_file(self.deepspeed), self.train_batch_size, self.micro_train_batch_size,
                           self.gradient_accumulation_steps(world_size) if world_size else None)

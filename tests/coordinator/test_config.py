@@ -193,6 +193,7 @@ def test_normalize_reward_without_a_reward_model_says_why_it_does_nothing(paths)
     (["--lora_alpha", "32"], "--lora_alpha is a LoRA option, but --lora_rank is 0"),
     (["--target_modules", "q_proj"], "--target_modules is a LoRA option, but --lora_rank is 0"),
     (["--lora_merge_on_save"], "--lora_merge_on_save merges a LoRA adapter"),
+    (["--lora_rank", "8", "--vllm_quantization", "awq"], "a quantized engine cannot take"),
     (["--lora_rank", "8", "--target_modules", "all-linear", "q_proj"], "all-linear already means every linear"),
     (["--lora_rank", "8", "--target_modules", "q_proj", "attn_out"],
      "--target_modules attn_out: the model {model} has no such module; its linear modules are q_proj, k_proj, "

@@ -17,6 +17,7 @@ import pytest
 from services.common.config import ConfigError, build_parser, config_from_args, parse_config
 from services.common.openrlhf_names import NAMES, Refuse, split_options, translate_argv
 from services.coordinator.config import CoordinatorConfig
+from services.coordinator.fleet.placement import learner_argv
 from services.learner.train_dpo import DPOConfig
 from services.learner.train_rm import RMConfig
 from services.learner.train_sft import SFTConfig
@@ -336,6 +337,12 @@ def test_values_translate_with_openrlhf_meaning(local):
     assert (cfg.use_tis, cfg.tis_cap, cfg.flash_attn) == (True, 3.5, False)
     assert (cfg.async_train, cfg.max_staleness, cfg.use_ds_universal_ckpt) == (True, 2, True)
     assert (cfg.lora_rank, cfg.lora_alpha, cfg.target_modules, cfg.lora_dropout) == (8, 32, ["q_proj", "v_proj"], 0.05)
+    # Adam betas reach every learner rank.
+    cfg = build(CoordinatorConfig, [*base, "--actor.adam.betas", "0.9", "0.99"])
+    assert cfg.adam_betas == [0.9, 0.99]
+    assert "--adam_betas 0.9 0.99" in " ".join(learner_argv(cfg, 10, 1))
+    with pytest.raises(ConfigError, match="--adam_betas .* must be two numbers in \\[0, 1\\)"):
+        build(CoordinatorConfig, [*base, "--actor.adam.betas", "0.9", "1.5"])
     with pytest.warns(UserWarning, match="prompts up to 512 tokens"):
         cfg = build(CoordinatorConfig, [*base, "--data.max_len", "1024"])
     assert (cfg.prompt_max_len, cfg.generate_max_len) == (512, 512)

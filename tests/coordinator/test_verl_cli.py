@@ -67,6 +67,7 @@ def test_a_verl_grpo_command_becomes_the_same_rlmesh_run(tiny_model_dir, tiny_re
     assert (cfg.use_kl_loss, cfg.init_kl_coef, cfg.kl_estimator) == (True, 0.001, "k3")
     assert (cfg.actor_learning_rate, cfg.l2, cfg.max_norm, cfg.eps_clip, cfg.dual_clip) == (1e-6, 0.01, 1.0, 0.2, 3.0)
     assert (cfg.lr_scheduler, cfg.lr_warmup_ratio, cfg.entropy_loss_coef) == ("constant_with_warmup", 0.0, 0.0)
+    assert cfg.adam_betas == [0.9, 0.999]  # veRL's default, not rlmesh's (0.9, 0.95)
     assert (cfg.packing_samples, cfg.gradient_checkpointing) == (True, True)
     # The hybrid engine: learner and engines on the same 4 GPUs, two engines of 2.
     assert (cfg.actor_num_gpus_per_node, cfg.vllm_num_engines, cfg.vllm_tensor_parallel_size) == (4, 2, 2)
@@ -93,6 +94,8 @@ def test_a_verl_grpo_command_becomes_the_same_rlmesh_run(tiny_model_dir, tiny_re
     assert cfg.remote_rm_url.endswith("/r.py:compute_score") and cfg.rollout_batch_size == 1024
     assert cfg.label_key == "reward_model.ground_truth"
     # LoRA on the actor; with lora_rank 0 (veRL's default) its other keys are not read, as in veRL.
+    cfg, _, _ = config_of([*one_cpu, "actor_rollout_ref.actor.optim.betas=[0.9,0.95]"])
+    assert cfg.adam_betas == [0.9, 0.95]
     cfg, _, _ = config_of([*one_cpu, "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=32",
                            "actor_rollout_ref.model.target_modules=[q_proj,v_proj]"])
     assert (cfg.lora_rank, cfg.lora_alpha, cfg.target_modules) == (8, 32.0, ["q_proj", "v_proj"])

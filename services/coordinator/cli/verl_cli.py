@@ -47,6 +47,7 @@ DEFAULTS: dict[str, object] = {
     A + "loss_agg_mode": "token-mean", A + "entropy_coeff": 0.0, A + "use_kl_loss": False,
     A + "kl_loss_coef": 0.001, A + "kl_loss_type": "low_var_kl", A + "ppo_epochs": 1, A + "optim.lr": 1e-6,
     A + "optim.lr_warmup_steps_ratio": 0.0, A + "optim.warmup_style": "constant", A + "optim.weight_decay": 0.01,
+    A + "optim.betas": [0.9, 0.999],
     R + "name": "vllm", R + "n": 1, R + "temperature": 1.0, R + "top_p": 1.0, R + "top_k": -1,
     R + "gpu_memory_utilization": 0.5, R + "tensor_model_parallel_size": 2, R + "enforce_eager": True,
     R + "free_cache_engine": True, R + "val_kwargs.temperature": 0.0, R + "val_kwargs.n": 1,
@@ -252,6 +253,7 @@ def translate(overrides: dict[str, object]) -> tuple[list[str], list[str]]:
     flag("lr_scheduler", one_of(A + "optim.warmup_style", {"constant": "constant_with_warmup",
                                                            "cosine": "cosine_with_min_lr"}, "learning-rate schedule"))
     flag("l2", get(A + "optim.weight_decay"))
+    flag("adam_betas", [str(b) for b in get(A + "optim.betas")])
     flag("max_norm", get(A + "grad_clip"))
     low, high = get(A + "clip_ratio_low"), get(A + "clip_ratio_high")
     if get("trainer.remove_clip"):
