@@ -25,6 +25,7 @@ SMOKE_STEP="start"
 SMOKE_STEP_LOG=/dev/null
 SMOKE_FAILED=0
 SMOKE_CLEANUP=""
+SMOKE_CONSOLE=2  # where failures are reported: install_traps keeps the console's stderr here
 
 log() { echo "[smoke $(date +%H:%M:%S)] $*"; }
 
@@ -38,22 +39,24 @@ step() {
 
 show_step_log() {
   if [ "$SMOKE_STEP_LOG" != /dev/null ] && [ -s "$SMOKE_STEP_LOG" ]; then
-    echo "[smoke] last lines of $SMOKE_STEP_LOG:" >&2
-    tail -30 "$SMOKE_STEP_LOG" >&2
+    echo "[smoke] last lines of $SMOKE_STEP_LOG:" >&"$SMOKE_CONSOLE"
+    tail -30 "$SMOKE_STEP_LOG" >&"$SMOKE_CONSOLE"
   fi
 }
 
 fail() {
   SMOKE_FAILED=1
-  echo "[smoke] FAILED in step '$SMOKE_STEP': $*" >&2
+  echo "[smoke] FAILED in step '$SMOKE_STEP': $*" >&"$SMOKE_CONSOLE"
   show_step_log
   exit 1
 }
 
 on_error() {  # the ERR trap: any command that fails outside a condition ends the run here, loudly
   local status=$1 line=$2 command=$3
+  # Reported already (the `exit` below, run from timed rather than as the trap, fires it again).
+  [ "$SMOKE_FAILED" = 0 ] || exit "$status"
   SMOKE_FAILED=1
-  echo "[smoke] FAILED in step '$SMOKE_STEP' (deploy/smoke.sh line $line): \`$command\` exited with status $status" >&2
+  echo "[smoke] FAILED in step '$SMOKE_STEP' (deploy/smoke.sh line $line): \`$command\` exited with status $status" >&"$SMOKE_CONSOLE"
   show_step_log
   exit "$status"
 }
@@ -61,7 +64,7 @@ on_error() {  # the ERR trap: any command that fails outside a condition ends th
 on_exit() {  # also reports exits the ERR trap does not see (e.g. an unset variable under set -u)
   local status=$?
   if [ "$status" != 0 ] && [ "$SMOKE_FAILED" = 0 ]; then
-    echo "[smoke] FAILED in step '$SMOKE_STEP': exited with status $status" >&2
+    echo "[smoke] FAILED in step '$SMOKE_STEP': exited with status $status" >&"$SMOKE_CONSOLE"
     show_step_log
   fi
   [ -z "$SMOKE_CLEANUP" ] || $SMOKE_CLEANUP
@@ -70,6 +73,9 @@ on_exit() {  # also reports exits the ERR trap does not see (e.g. an unset varia
 
 install_traps() {
   set -eEuo pipefail  # -E: the ERR trap also fires inside functions
+  # The console's stderr, kept: a step that sends a command's output to its log (e.g.
+  # `timed ... >>"$SMOKE_STEP_LOG" 2>&1`) would otherwise bury its failure in that log.
+  exec {SMOKE_CONSOLE}>&2
   trap 'on_error $? $LINENO "$BASH_COMMAND"' ERR
   trap on_exit EXIT
 }
