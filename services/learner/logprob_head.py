@@ -194,9 +194,12 @@ def forward_micro_batch(model, mb):
 def response_outputs(model, mb, temperature: float, head: str, chunk_tokens: int, want_entropy: bool):
     """(B, R) log-probs (and entropies) of a MicroBatch's response tokens under a causal LM; 0 at padding.
 
-    model: a transformers *ForCausalLM whose logits are lm_head(last hidden state) (Qwen2, Llama).
+    model: a transformers *ForCausalLM whose logits are lm_head(last hidden state) (Qwen2, Llama), or a
+    PEFT model around one.
     head: "chunked" or "fused" (entropies always go the chunked way).
     """
+    # A PEFT (LoRA) model wraps the causal LM, whose layers carry the adapters: its backbone and head.
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
     hidden = model.base_model(**backbone_kwargs(model, mb)).last_hidden_state  # (rows, T, H)
     mask = mb.response_mask
     flat = mb.out_index[mask]  # output positions of the real response tokens, in (rows, T - 1)

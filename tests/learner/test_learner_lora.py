@@ -3,7 +3,8 @@ and a critic that trains in full.
 
 One service process serves the module. What is checked: only the adapter trains (the base weights
 come back bit-equal, the critic keeps all its parameters trainable); ExportHF writes the PEFT adapter
-folder and, with --lora_merge_on_save, the merged model, and both give the learner's own log-probs;
+folder and, with --lora_merge_on_save, the merged model, and both give the learner's own log-probs
+(vLLM serves the merged model: a real rollout service's greedy tokens equal transformers');
 a checkpoint brings back the adapter and its optimizer state (the step after a load repeats the step
 after the save).
 """
@@ -16,6 +17,7 @@ from safetensors.torch import load_file
 
 from rlmesh.learner.v1 import learner_pb2 as pb
 from services.learner.lora import LoraOptions, adapter_state, apply_lora
+from tests.rollout.helpers import VLLM_ARGS, greedy_ids, hf_greedy, start_rollout, stop_rollout
 from tests.learner.learner_helpers import (
     experience,
     logprobs,
@@ -92,6 +94,16 @@ def test_only_the_adapter_trains_and_the_exports_agree(learner, base, tiny_model
         own = torch.log_softmax(logits, -1).gather(-1, seqs[0][starts[0]:, None]).squeeze(-1)
     torch.testing.assert_close(served, own, rtol=1e-4, atol=1e-4)
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "export" / "merged").pad_token is not None
+
+    # vLLM serves the merged folder as it is (a real rollout service): greedy as transformers.
+    engine = start_rollout(tmp_path / "export" / "merged", tmp_path / "vllm", *VLLM_ARGS)
+    try:
+        with engine.channel() as channel:
+            prompts = [seqs[0][:starts[0] + 2].tolist(), seqs[1][:starts[1] + 2].tolist()]
+            got = greedy_ids(engine.stub(channel), prompts, max_tokens=8)
+    finally:
+        stop_rollout(engine.proc)
+    assert got == [hf_greedy(reloaded, p, 8) for p in prompts]
 
 
 def test_a_checkpoint_restores_the_adapter_and_its_optimizer(learner, base, tmp_path):

@@ -135,18 +135,27 @@ def test_rank_spec_from_flags_and_launcher_environment(monkeypatch):
     assert os.environ["RANK"] == "3"
 
 
-@pytest.mark.parametrize("head", ["chunked", "fused"])
-def test_hidden_state_logprob_heads_match_the_plain_path_with_gradients(tiny_model_dir, head):
+@pytest.mark.parametrize("head, lora", [("chunked", False), ("fused", False), ("fused", True)])
+def test_hidden_state_logprob_heads_match_the_plain_path_with_gradients(tiny_model_dir, head, lora):
     """--logprobs_head chunked / fused give the full-logits path's log-probs, entropies and
-    gradients (of the output projection and, through it, of the backbone)."""
+    gradients (of the output projection and, through it, of the backbone); also for a LoRA actor
+    (a PEFT model: the adapters' gradients)."""
     from services.learner.logprob_head import response_outputs
     from services.common.rl_math import entropy_from_logits
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    if lora:
+        from services.learner.lora import LoraOptions, adapter_state, apply_lora
+
+        model = apply_lora(model, LoraOptions(rank=4, alpha=8))
+        for name, p in adapter_state(model):
+            if "lora_B" in name:  # PEFT starts B at zero: a nonzero adapter shows in the outputs
+                torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(2))
     for packed in (False, True):
         mb = collate(_samples(4, seed=3), packed=packed)
         weights = torch.randn(mb.response_mask.shape, generator=torch.Generator().manual_seed(1))
-        params = [model.lm_head.weight, model.model.layers[0].mlp.up_proj.weight]
+        params = ([p for name, p in adapter_state(model) if ".layers.0." in name] if lora
+                  else [model.lm_head.weight, model.model.layers[0].mlp.up_proj.weight])
         logits = forward_micro_batch(model, mb).logits
         response_logits = logits[:, :-1].reshape(-1, logits.shape[-1])[mb.out_index]
         plain = token_logprobs(response_logits, mb.input_ids[:, 1:].reshape(-1)[mb.out_index], 0.8)
