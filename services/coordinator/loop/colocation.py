@@ -13,6 +13,7 @@ a start is over. Its weights wake for the push that admits it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import grpc
@@ -84,6 +85,18 @@ class Colocation:
         await self.learner.Reload(learner_pb2.ReloadRequest(), timeout=120.0)
         self.learner_offloaded = False
         return time.monotonic() - t0
+
+    @contextlib.asynccontextmanager
+    async def learner_awake(self):
+        """The learner's states on its GPUs for a push that comes while it sleeps (an engine admitted
+        at a step's start), and back to host memory after it."""
+        was_offloaded = self.learner_offloaded
+        await self.reload_learner()
+        try:
+            yield
+        finally:
+            if was_offloaded:
+                await self.offload_learner()
 
     # ---- an engine restarting on the learner's GPUs ----
     def gates_restarts(self) -> bool:

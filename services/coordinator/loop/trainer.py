@@ -184,7 +184,8 @@ class Trainer(RunCheckpoints):
                                   else 0] + [e.weight_version for e in self.pool.engines]) + 1
         # Only the weights: the KV cache stays freed until the next generation (colocation).
         await self.colocation.wake_rollout(("weights",))
-        metrics = await self.weights.push(engines, version)
+        async with self.colocation.learner_awake():  # a catch-up push may come while the learner sleeps
+            metrics = await self.weights.push(engines, version)
         self.state.weight_version = version
         self.control.weight_version = version
         prom.WEIGHT_VERSION.set(version)
