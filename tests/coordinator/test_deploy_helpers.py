@@ -35,7 +35,13 @@ def test_run_config_gives_services_the_coordinators_options(tiny_model_dir, tiny
         # Placement keys belong to the coordinator; a service ignores them.
         "placement: static\nlearner_address: learner:50051\nrollout_addresses: [rollout:50051]\n")
     learner = expand_run_config("learner", ["--run_config", str(tmp_path / "run.yaml"), "--port", "7"])
-    options = dict(zip(learner[::2], learner[1::2]))
+    options, flag = {}, ""
+    for arg in learner:  # flag -> its value(s), space-joined (--adam_betas takes two)
+        if arg.startswith("--"):
+            flag, options[arg] = arg, ""
+        else:
+            options[flag] = f"{options[flag]} {arg}".strip()
+    assert options["--adam_betas"] == "0.9 0.95"
     assert options["--train_batch_size"] == "16" and options["--actor_learning_rate"] == "3e-05"
     # 5 global steps x 32 samples / 16 per optimizer step: the schedule spans the run.
     assert options["--max_steps"] == "10" and options["--max_len"] == "88"

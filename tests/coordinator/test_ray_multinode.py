@@ -292,7 +292,7 @@ def test_guide_hybrid_engine_over_two_nodes_one_of_them_lost(cluster, tiny_model
             "--n_samples_per_prompt", "2", "--train_batch_size", "16", "--micro_train_batch_size", "4",
             "--reward_func", "math", "--label_key", "label", "--init_kl_coef", "0.01",
             "--colocate_all_models", "--vllm_enable_sleep", "--deepspeed_enable_sleep",
-            "--actor_num_nodes", "2", "--actor_num_gpus_per_node", "2", "--rollout_engine", "vllm",
+            "--actor_num_nodes", "2", "--actor_num_gpus_per_node", "2", "--rollout_engine", "vllm", "--enforce_eager",
             "--vllm_num_engines", "2", "--vllm_tensor_parallel_size", "2",
             "--critic_num_nodes", "0", "--critic_num_gpus_per_node", "0", "--reward_num_nodes", "0",
             "--reward_num_gpus_per_node", "0", "--ref_num_nodes", "0", "--ref_num_gpus_per_node", "0",
