@@ -13,8 +13,9 @@ from services.quickstart import QuickstartConfig
 from tests.test_async_and_agent_learning import held_out, run_grpo
 
 # An adapter starts as a no-op (B = 0) and moves a few directions only: it takes a larger step than
-# full fine-tuning's to learn as much in the same 10 steps.
-LORA = ["--lora_rank", "16", "--lora_alpha", "32", "--actor_learning_rate", "1e-3"]
+# full fine-tuning's (the quickstart's 2e-4) to learn as much in the same 10 steps; at 1e-3 it gained
+# 2 of 122 problems, at 2e-3 13 (2026-12-02).
+LORA = ["--lora_rank", "16", "--lora_alpha", "32", "--actor_learning_rate", "2e-3"]
 
 
 @pytest.fixture(scope="module")
@@ -34,4 +35,5 @@ def test_lora_grpo_raises_heldout_accuracy_above_sft(sft_model, quickstart_run, 
     print(f"held-out accuracy: SFT {before:.3f}, full GRPO {quickstart_run['accuracy_after_grpo']:.3f}, "
           f"LoRA GRPO {after:.3f}")
     assert before == quickstart_run["accuracy_after_sft"]  # the same SFT model, greedy evaluation
-    assert after > before, f"LoRA GRPO did not raise held-out accuracy: {before} -> {after}"
+    # Beyond one run's noise (~0.045 here): at least 5 more of the 122 problems solved.
+    assert after >= before + 0.04, f"LoRA GRPO did not raise held-out accuracy: {before} -> {after}"
