@@ -8,9 +8,10 @@ A random Qwen2 with Qwen2.5-0.5B's shapes is loaded into a DeepSpeed engine (one
 bf16, ZeRO-2 by default, torch's fused AdamW as the learner uses on CUDA) and takes one optimizer
 step so every state exists. Then --cycles offload + reload cycles with DeepSpeed's calls, and as
 many with host_offload's after them (not interleaved: buffers host_offload keeps would serve
-DeepSpeed's next offload too); the first cycle of each is a warm-up, shown and not counted. After every reload the weights' checksum
-must equal the one before the offload, and GPU memory after an offload must be back near the
-model-free baseline. Prints the median seconds of each direction and the ratio ours / DeepSpeed.
+DeepSpeed's next offload too); the first cycle of each is a warm-up, shown and not counted. After every
+reload the checksums of the weights and of the optimizer's states must equal the ones before the
+offload (the states back on the device), and an optimizer step runs after the cycles. Prints the
+median seconds of each direction and the ratio ours / DeepSpeed.
 """
 
 from __future__ import annotations
@@ -50,6 +51,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def optimizer_checksum(engine) -> float:
+    """Every tensor of the wrapped optimizer's state (Adam's moments), summed."""
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    with torch.no_grad():
+        return float(sum(v.detach().double().sum() for s in inner.state.values() for v in s.values()
+                         if torch.is_tensor(v)))
+
+
 def checksum(model: torch.nn.Module) -> float:
     with torch.no_grad():
         # ZeRO-3 keeps each parameter's partition in ds_tensor (the parameter itself is empty).
@@ -77,7 +86,7 @@ def build_engine(zero_stage: int):
 
 def cycle(engine, method: str) -> tuple[float, float, int]:
     """One offload + reload; (offload s, reload s, GPU bytes allocated while offloaded)."""
-    before = checksum(engine.module)
+    before, moments = checksum(engine.module), optimizer_checksum(engine)
     if method == "deepspeed":
         t0 = time.monotonic()
         engine.offload_states()
@@ -97,6 +106,11 @@ def cycle(engine, method: str) -> tuple[float, float, int]:
     after = checksum(engine.module)
     if after != before:
         raise SystemExit(f"{method}: weights changed over an offload + reload ({before} -> {after})")
+    if optimizer_checksum(engine) != moments:
+        raise SystemExit(f"{method}: optimizer states changed over an offload + reload")
+    if any(torch.is_tensor(v) and v.device.type == "cpu" and v.numel() > 1
+           for s in getattr(engine.optimizer, "optimizer", engine.optimizer).state.values() for v in s.values()):
+        raise SystemExit(f"{method}: optimizer states left in host memory after the reload")
     return off, back, resident
 
 
@@ -125,6 +139,11 @@ def main(argv=None) -> int:
         print(f"median {m:12s} offload {o:.3f} s  reload {b:.3f} s")
     (do, db), (ho, hb) = med["deepspeed"], med["host_offload"]
     print(f"ratio host_offload / deepspeed: offload {ho / do:.2f}x, reload {hb / db:.2f}x")
+    ids = torch.randint(0, QWEN25_05B["vocab_size"], (1, 256), device=engine.device)
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()  # the optimizer steps on the reloaded states
+    torch.cuda.synchronize()
+    print("an optimizer step after the cycles: ok")
     return 0
 
 

@@ -1,10 +1,12 @@
 """The learner's states to host memory and back between steps (--deepspeed_enable_sleep).
 
 DeepSpeed's `offload_states` copies the ZeRO states into pinned host buffers and `reload_states`
-brings them back; under ZeRO-1/2 the reload drops the pinned buffers of the master and model
-weights, so every offload pinned them again (page-locking gigabytes: most of an offload's time).
-Here the buffers are kept from one offload to the next, the copies are queued without waiting
-for each, and the device is synchronized once at the end of each direction.
+brings them back. Under ZeRO-1/2 it page-locks new host memory at every offload: the optimizer's
+states (Adam's two moments, the largest part) get fresh pinned buffers each time, and the reload
+drops those of the master and model weights. Page-locking gigabytes is most of an offload's time.
+Here every pinned buffer is kept from one offload to the next (the optimizer's states are moved by
+this module under ZeRO-1/2; ZeRO-3 keeps its own), the copies are queued without waiting for each,
+and the device is synchronized once at the end of each direction.
 """
 
 from __future__ import annotations
@@ -12,16 +14,26 @@ from __future__ import annotations
 import time
 
 import torch
+from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
 
-# ZeRO-1/2 optimizer attributes holding the pinned host copies that reload_states deletes
-# (ZeRO-3 and the Adam states keep theirs).
+# ZeRO-1/2 optimizer attributes holding the pinned host copies that reload_states deletes.
 _PINNED = ("hp_params_pin_buffers", "lp_params_pin_buffers")
+# What DeepSpeed moves under ZeRO-1/2 when this module moves the optimizer's states itself.
+_ZERO12_STATES = (OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.lp_params, OffloadStateTypeEnum.lp_grads)
+
+
+def _zero12(engine) -> bool:
+    return engine.zero_optimization_stage() in (1, 2)
 
 
 def offload_engine(engine) -> float:
     """Moves one DeepSpeed engine's states to pinned host memory; returns the seconds it took."""
     t0 = time.monotonic()
-    engine.offload_states(pin_memory=True, non_blocking=True)
+    if _zero12(engine):
+        engine.offload_states(include=_ZERO12_STATES, pin_memory=True, non_blocking=True)
+        _offload_optimizer_states(engine)
+    else:
+        engine.offload_states(pin_memory=True, non_blocking=True)
     torch.cuda.synchronize()
     return time.monotonic() - t0
 
@@ -32,8 +44,32 @@ def reload_engine(engine) -> float:
     optimizer = engine.optimizer
     kept = {name: getattr(optimizer, name) for name in _PINNED if hasattr(optimizer, name)}
     engine.reload_states(non_blocking=True)
+    if _zero12(engine):
+        _reload_optimizer_states(engine)
     torch.cuda.synchronize()  # the copies out of the kept buffers are done before they are reused
     for name, buffers in kept.items():
         if not hasattr(optimizer, name):
             setattr(optimizer, name, buffers)
     return time.monotonic() - t0
+
+
+def _offload_optimizer_states(engine) -> None:
+    """The wrapped optimizer's device tensors (Adam's moments, a fused step count) into pinned host
+    buffers made once per tensor; the ones moved are remembered for the reload."""
+    buffers = engine.__dict__.setdefault("_rlmesh_pinned_states", {})
+    moved = engine.__dict__["_rlmesh_moved_states"] = []
+    for param, state in engine.optimizer.optimizer.state.items():
+        for key, value in state.items():
+            if not (torch.is_tensor(value) and value.device.type == "cuda"):
+                continue
+            buffer = buffers.get((param, key))
+            if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+                buffer = buffers[(param, key)] = torch.empty_like(value, device="cpu", pin_memory=True)
+            buffer.copy_(value, non_blocking=True)
+            state[key] = buffer
+            moved.append((state, key, value.device))
+
+
+def _reload_optimizer_states(engine) -> None:
+    for state, key, device in engine.__dict__.pop("_rlmesh_moved_states", []):
+        state[key] = state[key].to(device, non_blocking=True)
