@@ -30,11 +30,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
 
 import torch  # noqa: E402
 
+from bench.gpu.learner_mfu import QWEN25_05B  # noqa: E402
 from services.learner import host_offload  # noqa: E402
-
-QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
-                  tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -84,25 +81,26 @@ def build_engine(zero_stage: int):
     return engine
 
 
+def _timed(call) -> float:
+    t0 = time.monotonic()
+    call()
+    torch.cuda.synchronize()
+    return time.monotonic() - t0
+
+
+# method -> (offload, reload), each returning its seconds
+METHODS = {"deepspeed": (lambda engine: _timed(engine.offload_states), lambda engine: _timed(engine.reload_states)),
+           "host_offload": (host_offload.offload_engine, host_offload.reload_engine)}
+
+
 def cycle(engine, method: str) -> tuple[float, float, int]:
     """One offload + reload; (offload s, reload s, GPU bytes allocated while offloaded)."""
     before, moments = checksum(engine.module), optimizer_checksum(engine)
-    if method == "deepspeed":
-        t0 = time.monotonic()
-        engine.offload_states()
-        torch.cuda.synchronize()
-        off = time.monotonic() - t0
-    else:
-        off = host_offload.offload_engine(engine)
+    offload, reload = METHODS[method]
+    off = offload(engine)
     torch.cuda.empty_cache()
     resident = torch.cuda.memory_allocated()
-    if method == "deepspeed":
-        t0 = time.monotonic()
-        engine.reload_states()
-        torch.cuda.synchronize()
-        back = time.monotonic() - t0
-    else:
-        back = host_offload.reload_engine(engine)
+    back = reload(engine)
     after = checksum(engine.module)
     if after != before:
         raise SystemExit(f"{method}: weights changed over an offload + reload ({before} -> {after})")
@@ -125,7 +123,7 @@ def main(argv=None) -> int:
     params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     print(f"ZeRO-{args.zero_stage}, {params / 1e6:.0f}M parameters, "
           f"{loaded / 2**30:.2f} GiB allocated with the optimizer states")
-    times = {"deepspeed": [], "host_offload": []}
+    times = {method: [] for method in METHODS}
     for method in times:
         for i in range(args.cycles + 1):
             off, back, resident = cycle(engine, method)
