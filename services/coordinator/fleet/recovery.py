@@ -112,7 +112,7 @@ class Recovery:
         the learner's reload waits until the start (and its sleep, see _on_restarted) is over."""
         gated = "rollout" in instance.roles and self.colocation.gates_restarts()
         if gated:
-            if not self.colocation.learner_offloaded:
+            if self.colocation.engine_start_waits():
                 self.sup.event("rollout.restart_waits", service=instance.name, until="the learner's offload")
             waited = await self.colocation.begin_engine_start(instance.name)
             if waited > 0.05:

@@ -19,7 +19,6 @@ import time
 import grpc
 
 from rlmesh.learner.v1 import learner_pb2
-from rlmesh.rollout.v1 import rollout_pb2
 from services.common.log import get_logger, log_event
 
 _log = get_logger("coordinator")
@@ -110,12 +109,16 @@ class Colocation:
                 setattr(self, key, value)
             self._changed.notify_all()
 
+    def engine_start_waits(self) -> bool:
+        """Whether a colocated engine's start must wait now: the learner works, the loop does not wait."""
+        return self.learner_working and self.loop_waits == 0
+
     async def begin_engine_start(self, name: str) -> float:
         """Waits until the learner does not work (or the loop waits for an engine), then counts
         `name` as starting (the learner's reload waits for it); returns the seconds waited."""
         t0 = time.monotonic()
         async with self._changed:
-            await self._changed.wait_for(lambda: not self.learner_working or self.loop_waits > 0)
+            await self._changed.wait_for(lambda: not self.engine_start_waits())
             self.starting.add(name)
         return time.monotonic() - t0
 
@@ -135,19 +138,18 @@ class Colocation:
         """A restarted engine sleeps at once when the others do; True when it was put to sleep."""
         if not (self.rollout_sleeps and "weights" in self.asleep):
             return False
-        await engine.stub.Sleep(rollout_pb2.SleepRequest(level=1), timeout=300.0)
+        await self.pool.sleep(level=1, engines=[engine])
         return True
 
     async def ready_for_admission(self, engines: list, sleep_levels: list[int]) -> None:
         """Engines about to get the push that admits them: the asleep ones wake their weights."""
-        asleep = [e for e, level in zip(engines, sleep_levels) if level > 0]
-        await asyncio.gather(*(e.stub.WakeUp(rollout_pb2.WakeUpRequest(tags=["weights"]), timeout=300.0)
-                               for e in asleep))
+        await self._wake_asleep(engines, sleep_levels, ("weights",))
 
     async def match_admitted(self, engines: list, sleep_levels: list[int]) -> None:
         """After that push: what the admitted engines hold awake, these hold too (their KV cache)."""
-        tags = sorted({"weights", "kv_cache"} - self.asleep)
+        await self._wake_asleep(engines, sleep_levels, tuple(sorted({"weights", "kv_cache"} - self.asleep)))
+
+    async def _wake_asleep(self, engines: list, sleep_levels: list[int], tags: tuple[str, ...]) -> None:
         asleep = [e for e, level in zip(engines, sleep_levels) if level > 0]
         if tags and asleep:
-            await asyncio.gather(*(e.stub.WakeUp(rollout_pb2.WakeUpRequest(tags=tags), timeout=300.0)
-                                   for e in asleep))
+            await self.pool.wake_up(tags, engines=asleep)

@@ -193,10 +193,11 @@ class RolloutPool:
         return list(await asyncio.gather(*(e.stub.GetModelInfo(rollout_pb2.GetModelInfoRequest(), timeout=60.0)
                                            for e in engines)))
 
-    async def sleep(self, level: int = 1) -> None:
-        await asyncio.gather(*(e.stub.Sleep(rollout_pb2.SleepRequest(level=level), timeout=300.0)
-                               for e in self.admitted()))
+    async def sleep(self, level: int = 1, engines: list[Engine] | None = None) -> None:
+        engines = self.admitted() if engines is None else engines
+        await asyncio.gather(*(e.stub.Sleep(rollout_pb2.SleepRequest(level=level), timeout=300.0) for e in engines))
 
-    async def wake_up(self, tags: tuple[str, ...] = ()) -> None:
+    async def wake_up(self, tags: tuple[str, ...] = (), engines: list[Engine] | None = None) -> None:
+        engines = self.admitted() if engines is None else engines
         await asyncio.gather(*(e.stub.WakeUp(rollout_pb2.WakeUpRequest(tags=list(tags)), timeout=300.0)
-                               for e in self.admitted()))
+                               for e in engines))
