@@ -40,6 +40,7 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -114,6 +115,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts_per_step", type=int, default=64, help="prompts per step (x 8 samples = one optimizer step)")
     p.add_argument("--micro_batch", type=int, default=32, help="samples per forward/backward")
     p.add_argument("--size", default="qwen2.5-0.5b", help="services/common/tiny.py model size (tiny: a CPU check)")
+    p.add_argument("--rlmesh_args", default="", help="options added to rlmesh's command (one string), e.g. "
+                   "\"--use_dynamic_batch --train_max_tokens_per_gpu 16384\"")
     p.add_argument("--dry_run", action="store_true", help="build the model, data and commands, print them, run nothing")
     p.add_argument("--role", default="driver", choices=["driver", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--job", default="A", help=argparse.SUPPRESS)
@@ -219,7 +222,7 @@ def rlmesh_command(job: Job, model, paths, work: pathlib.Path, scratch: pathlib.
             "--vllm_gpu_memory_utilization", str(args.gpu_memory_utilization),
             "--vllm_max_num_seqs", "512", "--vllm_max_num_batched_tokens", "4096",  # TRL's fixed values
             "--run_dir", str(work / "run"), "--ckpt_path", str(scratch / "ckpt"), "--save_path", str(scratch / "final"),
-            "--disable_ds_ckpt", "--metrics_port", "-1", "--no-progress_bar", "--seed", "42"]
+            "--disable_ds_ckpt", "--metrics_port", "-1", "--no-progress_bar", "--seed", "42", *shlex.split(args.rlmesh_args)]
 
 
 def trl_command(job: Job, model, paths, work: pathlib.Path, scratch: pathlib.Path, args) -> list[str]:
@@ -601,7 +604,7 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     info = {"date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "versions": versions(), "steps": args.steps,
-            "gpu_memory_utilization": args.gpu_memory_utilization}
+            "gpu_memory_utilization": args.gpu_memory_utilization, "rlmesh_args": args.rlmesh_args}
     print(json.dumps(info, indent=1), flush=True)
     scratch = pathlib.Path(args.scratch).resolve()
     scratch.mkdir(parents=True, exist_ok=True)

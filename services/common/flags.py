@@ -81,6 +81,10 @@ USE_LIGER_KERNEL = SharedFlag("replace the model's RMSNorm, SwiGLU MLP and rotar
                               "kernels of the liger-kernel package (CUDA; pip install liger-kernel)")
 PACKING_SAMPLES = SharedFlag("training: concatenate each micro-batch's samples into one row without padding "
                              "(attention kept within each sample)")
+USE_DYNAMIC_BATCH = SharedFlag("training: micro-batches of as many samples as fit in --train_max_tokens_per_gpu "
+                               "tokens (with --packing_samples) instead of --micro_train_batch_size samples each")
+TRAIN_MAX_TOKENS_PER_GPU = SharedFlag("--use_dynamic_batch: most tokens in one micro-batch of one learner rank (a "
+                                      "longer sample gets a micro-batch of its own)", at_least_one())
 MAX_CKPT_NUM = SharedFlag("checkpoints kept (the oldest are removed first when a new one is saved)", at_least_one())
 
 # LoRA (services/learner/lora.py): the coordinator passes them to the learner for the actor (the

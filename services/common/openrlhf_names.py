@@ -172,11 +172,10 @@ NAMES: dict[str, Rule | tuple[Rule, ...]] = {
     "ds.lora.alpha": Rename("lora_alpha"),
     "ds.lora.target_modules": Rename("target_modules"),
     "ds.lora.dropout": Rename("lora_dropout"),
-    "train.dynamic_batch_enable": Refuse("micro-batches hold --train.micro_batch_size samples (packed without padding "
-                                         "with --ds.packing_samples): drop it and size --train.micro_batch_size"),
-    "train.max_tokens_per_gpu": Refuse("it sizes OpenRLHF's dynamic batches, which rlmesh does not have: size "
-                                       "--train.micro_batch_size instead"),
-    "rollout.max_tokens_per_gpu": Refuse("it sizes OpenRLHF's dynamic batches, which rlmesh does not have: size "
+    "train.dynamic_batch_enable": Rename("use_dynamic_batch"),
+    "train.max_tokens_per_gpu": Rename("train_max_tokens_per_gpu"),
+    "rollout.max_tokens_per_gpu": Refuse("log-prob passes hold --rollout.micro_batch_size samples each (dynamic "
+                                         "batches size the training passes only): drop it and size "
                                          "--rollout.micro_batch_size instead"),
     "data.disable_fast_tokenizer": Refuse("rlmesh loads the model's tokenizer as transformers picks it; drop it"),
     "data.dataloader_num_workers": Refuse("rlmesh reads the data in the trainer's process", default=("0",)),

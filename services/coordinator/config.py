@@ -129,6 +129,8 @@ class CoordinatorConfig(ServerConfig):
                            "latter is used anyway)")
     use_liger_kernel: bool = flags.USE_LIGER_KERNEL.field(False)
     packing_samples: bool = flags.PACKING_SAMPLES.field(False)
+    use_dynamic_batch: bool = flags.USE_DYNAMIC_BATCH.field(False)
+    train_max_tokens_per_gpu: int = flags.TRAIN_MAX_TOKENS_PER_GPU.field(16384)
     lora_rank: int = flags.LORA_RANK.field(0)
     lora_alpha: float = flags.LORA_ALPHA.field(16.0)
     target_modules: list[str] = flags.TARGET_MODULES.field(["all-linear"])
@@ -468,6 +470,9 @@ class CoordinatorConfig(ServerConfig):
             raise ConfigError(
                 f"--train_batch_size {self.train_batch_size} must be a multiple of --micro_train_batch_size x actor "
                 f"ranks = {self.micro_train_batch_size} x {ranks}; change either")
+        if self.use_dynamic_batch and not self.packing_samples:
+            raise ConfigError("--use_dynamic_batch sizes micro-batches by their tokens, which needs --packing_samples "
+                              "(samples end to end, no padding): add --packing_samples, or drop --use_dynamic_batch")
         if self.scoring_retries < 0 or not self.scoring_wait_s > 0:
             raise ConfigError(f"--scoring_retries {self.scoring_retries} must be >= 0 and --scoring_wait_s "
                               f"{self.scoring_wait_s} > 0")

@@ -9,6 +9,7 @@ the field and the sample, and the ranks only ever get well-formed work.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -148,9 +149,13 @@ class StepPlan:
 
 
 def plan_training(samples: list[Sample], train_batch_size: int, micro_batch_size: int, world_size: int,
-                  epochs: int, seed: int) -> list[list[StepPlan]]:
+                  epochs: int, seed: int, max_tokens: int = 0) -> list[list[StepPlan]]:
     """Shuffles (per epoch, from seed), cuts mini-batches of train_batch_size, gives each rank an
     equal share of each, in micro-batches. Returns per rank the list of its StepPlans.
+
+    Micro-batches hold micro_batch_size samples, or with max_tokens (dynamic batching) as many as
+    fit in max_tokens tokens (token_micro_batches); every rank then gets the same number of them
+    in a step (the most any rank needs), as its gradient reductions pair up with the others'.
 
     len(samples) must be a multiple of train_batch_size, and train_batch_size of
     micro_batch_size x world_size (checked by the caller / the config).
@@ -163,11 +168,41 @@ def plan_training(samples: list[Sample], train_batch_size: int, micro_batch_size
         for start in range(0, len(order), train_batch_size):
             batch = [samples[i] for i in order[start:start + train_batch_size]]
             tokens = sum(s.action_tokens for s in batch)
+            shares = [batch[rank * per_rank:(rank + 1) * per_rank] for rank in range(world_size)]
+            if max_tokens:
+                count = max(micro_batch_count(share, max_tokens) for share in shares)
+                micro = [token_micro_batches(share, count) for share in shares]
+            else:
+                micro = [[share[m:m + micro_batch_size] for m in range(0, per_rank, micro_batch_size)]
+                         for share in shares]
             for rank in range(world_size):
-                share = batch[rank * per_rank:(rank + 1) * per_rank]
-                micro = [share[m:m + micro_batch_size] for m in range(0, per_rank, micro_batch_size)]
-                plans[rank].append(StepPlan(micro, tokens, len(batch)))
+                plans[rank].append(StepPlan(micro[rank], tokens, len(batch)))
     return plans
+
+
+def token_micro_batches(samples: list[Sample], count: int) -> list[list[Sample]]:
+    """samples in `count` micro-batches of near-equal token counts: longest first, each into the
+    micro-batch holding the fewest tokens so far (ties: the first)."""
+    bins: list[list[Sample]] = [[] for _ in range(count)]
+    loads = [0] * count
+    for i in sorted(range(len(samples)), key=lambda i: (-samples[i].input_ids.numel(), i)):
+        j = min(range(count), key=lambda b: (loads[b], b))
+        bins[j].append(samples[i])
+        loads[j] += samples[i].input_ids.numel()
+    return [b for b in bins if b]
+
+
+def micro_batch_count(samples: list[Sample], max_tokens: int) -> int:
+    """The fewest micro-batches of token_micro_batches that keep each within max_tokens tokens (a
+    longer sample alone makes one of its own)."""
+    lengths = [s.input_ids.numel() for s in samples]
+    count = max(1, math.ceil(sum(lengths) / max_tokens), sum(n >= max_tokens for n in lengths))
+    while count < len(samples):
+        bins = token_micro_batches(samples, count)
+        if all(len(b) == 1 or sum(s.input_ids.numel() for s in b) <= max_tokens for b in bins):
+            break
+        count += 1
+    return min(count, len(samples))
 
 
 def forward_micro_batches(samples: list[Sample], micro_batch_size: int, world_size: int) -> list[list[list[int]]]:

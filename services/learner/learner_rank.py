@@ -185,11 +185,14 @@ class LearnerRank:
     # Training
 
     def _train(self, engine, steps: list[StepPlan], micro_loss: Callable) -> dict:
-        """Runs the optimizer steps of this rank's plan; micro_loss(mb, step) -> (loss, stats).
+        """Runs the optimizer steps of this rank's plan; micro_loss(mb, step) -> (loss, stats), the
+        stats 0-d tensors on the device, read back once per optimizer step (not per micro-batch).
 
         The loss of a micro-batch is its share of the global mini-batch loss (the normalizer counts
-        tokens or sequences over all micro-batches and ranks); DeepSpeed divides by the gradient
-        accumulation steps and averages over ranks, so the loss is scaled back up by both.
+        tokens or sequences over all micro-batches and ranks); DeepSpeed divides by its configured
+        gradient accumulation steps and averages over ranks, so the loss is scaled back up by both.
+        A step's last micro-batch is marked as the accumulation boundary, so a step may hold any
+        number of micro-batches (--use_dynamic_batch), the same on every rank.
         """
         engine.train()
         world = self.spec.world_size
@@ -199,16 +202,17 @@ class LearnerRank:
             # Between optimizer steps the engine holds no partial gradients: a caller that has gone
             # (spmd.CancelPoint) leaves the model with the steps done so far.
             CANCEL.check(index, len(steps), "optimizer step")
-            gas = len(step.micro_batches)
+            gas = engine.gradient_accumulation_steps()
             skipped_before = engine.skipped_steps
             lr = current_lr(engine)  # the rate this step applies (the scheduler moves after it)
-            sums: dict[str, float] = {}
-            for micro in step.micro_batches:
+            sums: dict[str, torch.Tensor] = {}
+            for m, micro in enumerate(step.micro_batches):
                 t0 = time.perf_counter()
                 mb = collate(micro, packed=self.config.packing_samples).to(self.device)
                 loss, stats = micro_loss(mb, step)
                 crash_point("learner.rank.forward_done")
                 t1 = time.perf_counter()
+                engine.set_gradient_accumulation_boundary(m == len(step.micro_batches) - 1)
                 engine.backward(loss * (gas * world))
                 crash_point("learner.rank.backward_done")
                 t2 = time.perf_counter()
@@ -219,15 +223,18 @@ class LearnerRank:
                 timing["backward"] += t2 - t1
                 timing["optimizer"] += t3 - t2
                 for key, value in stats.items():
-                    sums[key] = sums.get(key, 0.0) + value
+                    value = torch.as_tensor(value, device=self.device).detach().double()
+                    sums[key] = sums[key] + value if key in sums else value
             norm = engine.get_global_grad_norm()
             skipped = engine.skipped_steps > skipped_before
-            results.append({"sums": sums, "skipped": skipped, "lr": lr,
+            values = torch.stack(list(sums.values())).tolist() if sums else []  # the step's one read-back
+            results.append({"sums": dict(zip(sums, values)), "skipped": skipped, "lr": lr,
                             "grad_norm": float(norm) if norm is not None else float("nan")})
             if skipped:
                 log_event(log, "train.step_skipped", rank=self.spec.rank, reason="non-finite loss or gradient",
                           level=30)
-        return {"steps": results, "timing": timing, "global_step": int(engine.global_steps)}
+        return {"steps": results, "timing": timing, "global_step": int(engine.global_steps),
+                "micro_batches": sum(len(step.micro_batches) for step in steps)}
 
     def train_actor(self, payload: dict) -> dict:
         loss_cfg = payload["loss"]
@@ -252,20 +259,20 @@ class LearnerRank:
                                       dual_clip=loss_cfg["dual_clip"], ratio_type=loss_cfg["ratio_type"],
                                       level=policy_level, normalizer=policy_normalizer, is_weights=is_weights)
             loss = out.loss
-            tokens = float(mask.sum())
-            stats = {"policy_loss": float(out.loss.detach()), "clip_ratio": float(out.clip_ratio) * tokens,
-                     "ppo_kl": float(out.ppo_kl) * tokens, "tokens": tokens}
+            tokens = mask.sum()
+            stats = {"policy_loss": out.loss, "clip_ratio": out.clip_ratio * tokens, "ppo_kl": out.ppo_kl * tokens,
+                     "tokens": tokens}
             if is_weights is not None:
-                stats["tis_weight"] = float(is_weights.sum())  # a mean per token once divided by tokens
+                stats["tis_weight"] = is_weights.sum()  # a mean per token once divided by tokens
             if kl_coef > 0:
                 kl = rl_math.kl_loss(logp, mb.fields["ref_logprobs"], mask, loss_cfg["kl_estimator"], level,
                                      normalizer)
                 loss = loss + kl_coef * kl
-                stats["kl_loss"] = float(kl.detach())
+                stats["kl_loss"] = kl
             if entropy_coef != 0:
                 ent = rl_math.aggregate_loss(entropy, mask, level, normalizer)
                 loss = loss - entropy_coef * ent
-                stats["entropy"] = float(ent.detach())
+                stats["entropy"] = ent
             return loss, stats
 
         return self._train(self.actor, payload["steps"], micro_loss)
@@ -279,12 +286,10 @@ class LearnerRank:
             values = self._critic_values(mb)
             old_values = mb.fields.get("old_values", values.detach())
             loss = rl_math.value_loss(values, old_values, mb.fields["returns"], mask, value_clip, level, normalizer)
-            tokens = float(mask.sum())
-            stats = {"value_loss": float(loss.detach()), "tokens": tokens,
-                     "values": float(rl_math.masked_sum(values.detach(), mask))}
+            stats = {"value_loss": loss, "tokens": mask.sum(), "values": rl_math.masked_sum(values.detach(), mask)}
             if value_clip is not None:
                 moved = (values.detach() - old_values).abs() > value_clip
-                stats["value_clip_ratio"] = float(rl_math.masked_sum(moved.float(), mask))
+                stats["value_clip_ratio"] = rl_math.masked_sum(moved.float(), mask)
             return loss, stats
 
         return self._train(self.critic, payload["steps"], micro_loss)

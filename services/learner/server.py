@@ -44,6 +44,8 @@ PHASE_SECONDS = prometheus_client.Histogram(
 TOKENS = prometheus_client.Counter("rlmesh_learner_tokens_trained_total", "Action tokens trained on", ["model"])
 OPTIMIZER_STEPS = prometheus_client.Counter("rlmesh_learner_optimizer_steps_total", "Optimizer steps taken",
                                             ["model"])
+MICRO_BATCHES = prometheus_client.Counter("rlmesh_learner_micro_batches_total",
+                                          "Forward/backward passes of training, over all ranks", ["model"])
 SKIPPED_STEPS = prometheus_client.Counter("rlmesh_learner_skipped_steps_total",
                                           "Optimizer steps skipped: non-finite loss or gradient", ["model"])
 POLICY_LOSS = prometheus_client.Gauge("rlmesh_learner_policy_loss", "Policy loss of the last TrainActor call")
@@ -221,7 +223,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             raise invalid_argument("batch", None, f"{len(samples)} samples is not a multiple of train_batch_size {tbs}",
                                    f"send a multiple of {tbs} samples (rollout_batch_size x n_samples_per_prompt "
                                    "divisible by --train_batch_size)")
-        return plan_training(samples, tbs, self.config.micro_train_batch_size, self.world, epochs, seed)
+        max_tokens = self.config.train_max_tokens_per_gpu if self.config.use_dynamic_batch else 0
+        return plan_training(samples, tbs, self.config.micro_train_batch_size, self.world, epochs, seed, max_tokens)
 
     def _actor_loss(self, loss) -> dict:
         eps_low = _finite("loss.eps_clip_low", loss.eps_clip_low, 0.0) if loss.HasField("eps_clip_low") else 0.2
@@ -272,6 +275,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             PHASE_SECONDS.labels(model, phase).observe(seconds)
         TOKENS.labels(model).inc(combined["tokens"])
         OPTIMIZER_STEPS.labels(model).inc(len(kept))
+        MICRO_BATCHES.labels(model).inc(sum(r["micro_batches"] for r in results))
         SKIPPED_STEPS.labels(model).inc(steps - len(kept))
         GRAD_NORM.labels(model).set(combined["grad_norm"])
         LEARNING_RATE.labels(model).set(combined["lr"])

@@ -138,6 +138,12 @@ def test_learner_gets_the_fast_training_paths_on_gpu(paths):
     assert "--use_liger_kernel" in argv
     gpu.zero_stage = 3  # the output projection is sharded: full logits
     assert "--logprobs_head" not in learner_argv(gpu, total_steps=4, num_ranks=1)
+    assert "--use_dynamic_batch" not in argv
+    dynamic = parse(base(paths, "--packing_samples", "--use_dynamic_batch", "--train_max_tokens_per_gpu", "9000"))
+    argv = " ".join(learner_argv(dynamic, total_steps=4, num_ranks=1))
+    assert "--use_dynamic_batch" in argv and "--train_max_tokens_per_gpu 9000" in argv
+    with pytest.raises(ConfigError, match="--use_dynamic_batch sizes micro-batches by their tokens"):
+        parse(base(paths, "--use_dynamic_batch"))
 
 
 @pytest.mark.parametrize("extra, levels", [

@@ -172,24 +172,23 @@ DPO_LLAMA = """
 --model.gradient_checkpointing_enable
 """
 
-DYNAMIC_BATCH = {"train.dynamic_batch_enable", "train.max_tokens_per_gpu"}
 ICEPOP = {"algo.advantage.is_correction_type", "algo.advantage.is_correction_enable"}
 RING = {"ds.ring_attn_size", "ds.ring_attn_head_stride"}
 # script -> (command, config class, the options rlmesh refuses in it)
 SCRIPTS = {
     "train_ppo_ray_hybrid_engine": (PPO_HYBRID_ENGINE, CoordinatorConfig,
-                                    DYNAMIC_BATCH | {"algo.advantage.is_correction_enable"}),
+                                    {"algo.advantage.is_correction_enable"}),
     "train_reinforce_baseline_hybrid_engine": (
         REINFORCE_BASELINE_HYBRID_ENGINE, CoordinatorConfig,
-        DYNAMIC_BATCH | RING | ICEPOP | {"rollout.max_tokens_per_gpu"}),
+        RING | ICEPOP | {"rollout.max_tokens_per_gpu"}),
     "train_dapo_ray_hybrid_engine": (DAPO_HYBRID_ENGINE, CoordinatorConfig, {"algo.advantage.is_correction_enable"}),
     "train_prorlv2_math_hybrid_engine": (
         PRORLV2_MATH_HYBRID_ENGINE, CoordinatorConfig,
-        DYNAMIC_BATCH | ICEPOP | {"reward.stop_properly_penalty_coef"}),
+        ICEPOP | {"reward.stop_properly_penalty_coef"}),
     "train_reinforce_baseline_ray_agent_async": (
         REINFORCE_BASELINE_RAY_AGENT_ASYNC, CoordinatorConfig,
         # rlmesh's partial rollouts are single-turn: a refusal of the configuration's own.
-        DYNAMIC_BATCH | RING | ICEPOP | {"rollout.max_tokens_per_gpu", "ds.enable_sleep", "train.partial_rollout_enable"}),
+        RING | ICEPOP | {"rollout.max_tokens_per_gpu", "ds.enable_sleep", "train.partial_rollout_enable"}),
     "train_ppo_with_reward_fn": (PPO_WITH_REWARD_FN, CoordinatorConfig, set()),
     "train_ppo_ray_slurm": (PPO_RAY_SLURM, CoordinatorConfig, set()),
     "train_vlm_math_hybrid_engine": (VLM_MATH_HYBRID_ENGINE, CoordinatorConfig,
@@ -303,6 +302,9 @@ def test_every_openrlhf_example_command_is_honoured_or_refused_by_name(script, l
         assert cfg.vllm_num_engines == int(flags["vllm.num_engines"][0])
         assert cfg.deepspeed_enable_sleep == ("ds.enable_sleep" in flags)
         assert cfg.dynamic_filtering == ("algo.dynamic_filtering_enable" in flags)
+        assert cfg.use_dynamic_batch == ("train.dynamic_batch_enable" in flags)
+        if "train.max_tokens_per_gpu" in flags:
+            assert cfg.train_max_tokens_per_gpu == int(flags["train.max_tokens_per_gpu"][0])
         total = int(flags["data.max_len"][0])
         if "rollout.max_new_tokens" in flags:
             assert cfg.generate_max_len == int(flags["rollout.max_new_tokens"][0])

@@ -36,7 +36,7 @@ def config_of(args: list[str]) -> tuple[CoordinatorConfig, list[str], str]:
 
 
 def test_a_verl_grpo_command_becomes_the_same_rlmesh_run(tiny_model_dir, tiny_reward_model_dir, tiny_data_dir,
-                                                         tmp_path):
+                                                         tmp_path, capsys):
     train = verl_parquet(tiny_data_dir, tmp_path / "train.parquet")
     cfg, ignored, line = config_of([
         "algorithm.adv_estimator=grpo", f"data.train_files={train}", f"data.val_files=[{train}]",
@@ -101,6 +101,16 @@ def test_a_verl_grpo_command_becomes_the_same_rlmesh_run(tiny_model_dir, tiny_re
     assert (cfg.lora_rank, cfg.lora_alpha, cfg.target_modules) == (8, 32.0, ["q_proj", "v_proj"])
     cfg, _, ignored = config_of([*one_cpu, "actor_rollout_ref.model.lora_alpha=32"])
     assert (cfg.lora_rank, cfg.lora_alpha) == (0, 16.0) and "actor_rollout_ref.model.lora_alpha" not in ignored
+    # Dynamic batch sizes: micro-batches of up to ppo_max_token_len_per_gpu tokens, packed.
+    cfg, _, ignored = config_of([*one_cpu, "actor_rollout_ref.model.use_remove_padding=True",
+                                 "actor_rollout_ref.actor.use_dynamic_bsz=True",
+                                 "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24000"])
+    assert (cfg.use_dynamic_batch, cfg.train_max_tokens_per_gpu, cfg.packing_samples) == (True, 24000, True)
+    assert not any("dynamic_bsz" in k or "max_token_len" in k for k in ignored)
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        config_of([*one_cpu, "actor_rollout_ref.actor.use_dynamic_bsz=True"])
+    assert "--use_dynamic_batch sizes micro-batches by their tokens, which needs --packing_samples" in capsys.readouterr().err
     # A reward model scores instead; it needs no ground truth.
     cfg, _, _ = config_of([*one_cpu, "reward_model.enable=True", f"reward_model.model.path={tiny_reward_model_dir}"])
     assert (cfg.reward_pretrain, cfg.label_key, cfg.reward_func) == (str(tiny_reward_model_dir), "", "")

@@ -205,3 +205,28 @@ def test_varlen_attention_keeps_packed_samples_apart(tiny_model_dir):
         torch.testing.assert_close(got_padded[i, :n], ref[i, :n], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got_packed[start:start + n], ref[i, :n], atol=1e-5, rtol=1e-5)
         start += n
+
+
+def test_dynamic_plan_fills_micro_batches_by_tokens_with_equal_counts_per_rank():
+    g = torch.Generator().manual_seed(3)
+    samples = [Sample(torch.randint(4, 600, (int(n),), generator=g), 2, {})
+               for n in torch.randint(5, 60, (32,), generator=g)]
+    samples[7] = Sample(torch.randint(4, 600, (250,), generator=g), 2, {})  # longer than the budget
+    budget = 200
+    plans = plan_training(samples, train_batch_size=16, micro_batch_size=2, world_size=2, epochs=1, seed=1,
+                          max_tokens=budget)
+    fixed = plan_training(samples, 16, 2, 2, 1, seed=1)
+    for k in range(2):
+        counts = [len(rank[k].micro_batches) for rank in plans]
+        assert counts[0] == counts[1]  # every rank's reductions pair up with the others'
+        for rank in range(2):
+            micro = plans[rank][k].micro_batches
+            # The same samples as the fixed plan's share of this rank, each once, in fewer passes.
+            assert sorted(id(s) for mb in micro for s in mb) == sorted(
+                id(s) for mb in fixed[rank][k].micro_batches for s in mb)
+            assert all(len(mb) == 1 or sum(s.input_ids.numel() for s in mb) <= budget for mb in micro)
+            assert len(micro) < len(fixed[rank][k].micro_batches)
+        assert plans[0][k].tokens == fixed[0][k].tokens and plans[0][k].sequences == 16
+    shares = [[s for mb in plans[r][k].micro_batches for s in mb] for r in range(2) for k in range(2)]
+    assert any(len(share) > 0 and max(s.input_ids.numel() for s in share) == 250 for share in shares)
+    assert plans == plan_training(samples, 16, 2, 2, 1, seed=1, max_tokens=budget)  # deterministic

@@ -14,8 +14,8 @@ multiplied by rollout.n), the *_per_gpu micro batches count samples. The rollout
 engine: every GPU of trainer.nnodes x trainer.n_gpus_per_node holds the learner and a vLLM engine
 of rollout.tensor_model_parallel_size GPUs (--colocate_all_models, sleep between phases).
 
-Keys with no meaning here (FSDP and Megatron internals, padding removal, Ulysses, dynamic batch
-sizes) are listed in a warning and otherwise ignored; a key that would change what is trained and
+Keys with no meaning here (FSDP and Megatron internals, Ulysses, the log-prob passes' token
+budgets) are listed in a warning and otherwise ignored; a key that would change what is trained and
 that rlmesh cannot honour (another rollout backend or advantage estimator, multi-turn rollouts in
 veRL's format, an unknown KL estimator, and the keys of REFUSED when set to anything but veRL's
 default) is a ConfigError naming it. simpleRL-reason's `trainer.remove_clip=True` (its fork: the
@@ -93,6 +93,7 @@ READ = set(DEFAULTS) | {
     "actor_rollout_ref.model.enable_gradient_checkpointing", "actor_rollout_ref.model.use_remove_padding",
     "actor_rollout_ref.model.use_liger", "actor_rollout_ref.model.lora_rank", "actor_rollout_ref.model.lora_alpha",
     "actor_rollout_ref.model.target_modules", A + "ppo_micro_batch_size_per_gpu", A + "clip_ratio_low",
+    A + "use_dynamic_bsz", A + "ppo_max_token_len_per_gpu",
     A + "clip_ratio_high", A + "strategy", A + "fsdp_config.optimizer_offload", A + "policy_loss.loss_mode",
     R + "max_num_batched_tokens", R + "max_num_seqs", R + "log_prob_micro_batch_size_per_gpu",
     R + "multi_turn.enable", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
@@ -184,6 +185,10 @@ def translate(overrides: dict[str, object]) -> tuple[list[str], list[str]]:
     flag("train_batch_size", int(get(A + "ppo_mini_batch_size")) * n)
     if get(A + "ppo_micro_batch_size_per_gpu"):
         flag("micro_train_batch_size", get(A + "ppo_micro_batch_size_per_gpu"))
+    if get(A + "use_dynamic_bsz"):  # micro-batches of up to ppo_max_token_len_per_gpu tokens
+        flag("use_dynamic_batch")
+        if get(A + "ppo_max_token_len_per_gpu"):
+            flag("train_max_tokens_per_gpu", get(A + "ppo_max_token_len_per_gpu"))
     log_prob_micro = get(R + "log_prob_micro_batch_size_per_gpu") or get(
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu")
     if log_prob_micro:

@@ -120,9 +120,11 @@ def learner_argv(cfg: CoordinatorConfig, total_steps: int, num_ranks: int) -> li
         argv += ["--critic_pretrain", cfg.critic_pretrain or cfg.reward_pretrain or cfg.pretrain,
                  "--critic_learning_rate", str(cfg.critic_learning_rate)]
     for flag in ("bf16", "gradient_checkpointing", "adam_offload", "packing_samples", "use_liger_kernel",
-                 "use_ds_universal_ckpt"):
+                 "use_ds_universal_ckpt", "use_dynamic_batch"):
         if getattr(cfg, flag):
             argv.append(f"--{flag}")
+    if cfg.use_dynamic_batch:
+        argv += ["--train_max_tokens_per_gpu", str(cfg.train_max_tokens_per_gpu)]
     if cfg.flash_attn:
         argv += ["--attn_implementation", "flash_attention_2"]  # PyTorch's varlen kernel without flash-attn
     elif cfg.packing_samples and cfg.on_gpu:
