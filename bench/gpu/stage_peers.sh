@@ -64,7 +64,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 PYTHONPATH=/tmp/site python3 -c "import pyarrow, sys; sys.exit(int(pyarrow.__version__.split('.')[0]) < 24)" 2>/dev/null \\
   || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/peers-site \$w/pyarrow-*.whl \$w/pandas-*.whl
 PYTHONPATH=/tmp/peers-site:/tmp/site python3 -c "import trl, datasets, pyarrow; print('trl', trl.__version__, 'datasets', datasets.__version__, 'pyarrow', pyarrow.__version__)"
-PYTHONPATH=/tmp/peers-site:/tmp/site python3 -c "import verl, tensordict, transfer_queue, hydra; print('verl', verl.__version__, 'tensordict', tensordict.__version__)"
+# veRL gets a site of its own without TRL (vs_peers.py VERL_SITE says why).
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/verl-site \
+  \$(ls \$w/*.whl | grep -v -e pyarrow- -e pandas- -e trl- -e openrlhf-)
+PYTHONPATH=/tmp/site python3 -c "import pyarrow, sys; sys.exit(int(pyarrow.__version__.split('.')[0]) < 24)" 2>/dev/null \
+  || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/verl-site \$w/pyarrow-*.whl \$w/pandas-*.whl
+PYTHONPATH=/tmp/verl-site:/tmp/site python3 -c "import verl, tensordict, transfer_queue, hydra; print('verl', verl.__version__, 'tensordict', tensordict.__version__)"
 EOF
 # The benchmark's runner: a copy of HEAD in /tmp/proj, then vs_peers.py; logs and results (small)
 # in /tmp/logs, models and checkpoints in /tmp/vs_peers_scratch.

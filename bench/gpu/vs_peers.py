@@ -58,6 +58,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 FRAMEWORKS = ("rlmesh", "trl", "openrlhf", "verl")
 SAMPLES_PER_PROMPT, LEARNING_RATE, PROMPT_MAX_LEN = 8, 1e-6, 64
 PEERS_SITE = "/tmp/peers-site"  # stage_peers.sh installs TRL, OpenRLHF, veRL and their needs there
+# ... and veRL with its needs, without TRL, here too: veRL patches TRL's value-head model whenever TRL is
+# importable, and TRL 1.16 no longer has it ("cannot import name 'AutoModelForCausalLMWithValueHead'").
+VERL_SITE = "/tmp/verl-site"
 SPECIAL_IDS = (0, 1, 2, 3)  # the tiny tokenizer's <|endoftext|>, <|pad|>, <|im_start|>, <|im_end|>
 
 # veRL's copy of the rule, with veRL's signature, is verl_peer.REWARD_FILE.
@@ -260,7 +263,7 @@ def child_env(framework: str, out: pathlib.Path) -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     path = [str(ROOT), str(ROOT / "protos")]
     if framework in ("trl", "openrlhf", "verl"):
-        path.insert(0, PEERS_SITE)
+        path.insert(0, VERL_SITE if framework == "verl" else PEERS_SITE)
     if framework == "openrlhf":
         standin = out / "flash_attn_standin"
         for name, text in FLASH_ATTN_STANDIN.items():
