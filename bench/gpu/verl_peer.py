@@ -117,6 +117,7 @@ def verl_command(job, model, paths, work: pathlib.Path, scratch: pathlib.Path, a
 # veRL's console logger (verl/utils/logger/aggregate_logger.py, concat_dict_to_str) prints
 # "step:3 - key:value - key:value" with pprint.pformat'ed numbers (numpy ones as np.float64(1.5));
 # Ray prefixes the lines of its actors with "(TaskRunnerV1 pid=...) ".
+ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 STEP_LINE = re.compile(r"(?:^|\) )step:(\d+) - (.*)$", re.M)
 NUMBER = re.compile(r"^(?:np\.\w+\()?(-?(?:[\d.]+(?:e[-+]?\d+)?|nan|inf))\)?$")
 
@@ -124,6 +125,7 @@ NUMBER = re.compile(r"^(?:np\.\w+\()?(-?(?:[\d.]+(?:e[-+]?\d+)?|nan|inf))\)?$")
 def read_steps(log: pathlib.Path, seen: int) -> list[dict]:
     """Step records past the first `seen`, from veRL's console lines: {"step", metric name: value}."""
     text = log.read_text(errors="replace") if log.exists() else ""
+    text = ANSI_COLOUR.sub("", text)  # Ray colours the "(TaskRunnerV1 pid=...)" prefix of forwarded lines
     out: dict[int, dict] = {}
     for m in STEP_LINE.finditer(text):
         row = {"step": int(m.group(1))}

@@ -7,7 +7,8 @@ veRL's main_ppo.
 Stage the packages first (bench/gpu/stage_peers.sh). Every framework runs the same job on the same
 model, colocated on one GPU with vLLM sleeping between generations:
   - rlmesh: `rlmesh train` with --colocate_all_models --vllm_enable_sleep --deepspeed_enable_sleep
-    (weights pushed over CUDA IPC), DeepSpeed ZeRO-2 bf16, --packing_samples (varlen attention);
+    (weights pushed over CUDA IPC), DeepSpeed ZeRO-2 bf16, --packing_samples (varlen attention),
+    --use_dynamic_batch (micro-batches of up to 16,384 tokens);
   - TRL: GRPOTrainer with use_vllm, vllm_mode="colocate", vllm_enable_sleep_mode (plain torch AdamW);
   - OpenRLHF: train_ppo_ray --train.colocate_all --vllm.enable_sleep --ds.enable_sleep, ZeRO-2 bf16,
     sdpa attention, no sample packing (its packing needs the flash-attn package, which has no wheel
@@ -19,7 +20,8 @@ model, colocated on one GPU with vLLM sleeping between generations:
 The job: a random Qwen2 with Qwen2.5-0.5B's layers and the project's ~660-token tokenizer
 (services/common/tiny.py, size qwen2.5-0.5b), bf16; 64 arithmetic prompts x 8 samples per step;
 a rule reward (1 when the label's digits appear in the response); no KL, no reference model;
-one optimizer step per 512 samples in micro-batches of 32 with gradient checkpointing; lr 1e-6.
+one optimizer step per 512 samples in micro-batches of 32 (rlmesh: up to 16,384 tokens) with gradient
+checkpointing; lr 1e-6.
   A: responses of up to 512 tokens (the random model ends one when it samples an end token).
   B: responses of 1,024 tokens, all of them: a copy of the model whose end tokens can never be
      sampled (their output rows read one constant residual direction with a large negative weight).
@@ -220,7 +222,7 @@ def rlmesh_command(job: Job, model, paths, work: pathlib.Path, scratch: pathlib.
             "--prompt_max_len", str(PROMPT_MAX_LEN), "--generate_max_len", str(job.max_tokens),
             "--temperature", "1.0", "--init_kl_coef", "0", "--actor_learning_rate", str(LEARNING_RATE),
             "--lr_warmup_ratio", "0", "--lr_scheduler", "constant_with_warmup", "--zero_stage", "2", "--bf16",
-            "--gradient_checkpointing", "--packing_samples",
+            "--gradient_checkpointing", "--packing_samples", "--use_dynamic_batch", "--train_max_tokens_per_gpu", "16384",
             "--colocate_all_models", "--vllm_enable_sleep", "--deepspeed_enable_sleep", "--vllm_sync_backend", "ipc",
             "--vllm_gpu_memory_utilization", str(args.gpu_memory_utilization),
             "--vllm_max_num_seqs", "512", "--vllm_max_num_batched_tokens", "4096",  # TRL's fixed values
