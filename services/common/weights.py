@@ -683,6 +683,29 @@ def lora_tensor_names(target: str) -> tuple[str, str]:
     return f"{target}.lora_A.weight", f"{target}.lora_B.weight"
 
 
+@dataclass(frozen=True)
+class LoraAdapter:
+    """The LoRA adapter of an adapter push (rollout.proto LoraAdapter): what the learner declares
+    and the engines check and apply."""
+
+    rank: int
+    scaling: float
+    targets: tuple[str, ...]  # Hugging Face module names, each with a 2-D weight "<target>.weight"
+
+    def to_proto(self) -> rollout_pb2.LoraAdapter:
+        return rollout_pb2.LoraAdapter(rank=self.rank, scaling=self.scaling, target_modules=list(self.targets))
+
+    def tensor_shapes(self, parameters: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
+        """name -> shape of every tensor the push must carry, given the model's parameter shapes:
+        T.lora_A.weight (rank, in) and T.lora_B.weight (out, rank) for the (out, in) weight of T."""
+        shapes = {}
+        for target in self.targets:
+            out_features, in_features = parameters[f"{target}.weight"]
+            a, b = lora_tensor_names(target)
+            shapes[a], shapes[b] = (self.rank, in_features), (out_features, self.rank)
+        return shapes
+
+
 def adapter_checksum_entries(entries: Mapping[str, DigestEntry], scaling: float) -> dict[str, DigestEntry]:
     """The digest entries an adapter push's checksum is combined from: the adapter tensors' and
     LORA_SCALING_ENTRY, the scaling as a float64 scalar."""

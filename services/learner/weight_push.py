@@ -30,25 +30,13 @@ from services.learner.spmd import CANCEL
 from rlmesh.rollout.v1 import rollout_pb2
 
 
-@dataclasses.dataclass(frozen=True)
-class AdapterInfo:
-    """What the engines need to apply a pushed LoRA adapter (rollout.proto LoraAdapter)."""
-
-    rank: int
-    scaling: float
-    targets: tuple[str, ...]  # module names, e.g. "model.layers.0.self_attn.q_proj"
-
-    def to_proto(self) -> rollout_pb2.LoraAdapter:
-        return rollout_pb2.LoraAdapter(rank=self.rank, scaling=self.scaling, target_modules=list(self.targets))
-
-
 @dataclasses.dataclass
 class Chunk:
     """The buckets of one UpdateWeights call, numbered from 0 within the chunk."""
 
     slots: list[weights.ParamSlot]
     bucket_sizes: list[int]
-    adapter: AdapterInfo | None = None  # set on every chunk of an adapter push
+    adapter: weights.LoraAdapter | None = None  # set on every chunk of an adapter push
 
 
 def full_shape(p: torch.nn.Parameter) -> tuple[int, ...]:
@@ -62,7 +50,7 @@ def pushed_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Param
     return lora.adapter_state(module) if lora.is_peft_model(module) else list(module.named_parameters())
 
 
-def adapter_info(module: torch.nn.Module) -> AdapterInfo | None:
+def adapter_info(module: torch.nn.Module) -> weights.LoraAdapter | None:
     """The pushed adapter of a PEFT model (None for any other): rank and scaling as its LoRA layers
     apply them, and its target modules in push order."""
     if not lora.is_peft_model(module):
@@ -77,7 +65,7 @@ def adapter_info(module: torch.nn.Module) -> AdapterInfo | None:
                                   "an adapter push declares one of each: train with one --lora_rank and --lora_alpha")
     suffix = ".lora_A.weight"
     targets = tuple(name.removesuffix(suffix) for name, _ in lora.adapter_state(module) if name.endswith(suffix))
-    return AdapterInfo(ranks.pop(), float(scalings.pop()), targets)
+    return weights.LoraAdapter(ranks.pop(), float(scalings.pop()), targets)
 
 
 def plan_chunks(module: torch.nn.Module, wire_dtype: torch.dtype, bucket_bytes: int,

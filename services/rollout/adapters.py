@@ -25,15 +25,11 @@ import torch
 
 from rlmesh.rollout.v1 import rollout_pb2
 from services.common.errors import invalid_argument
-from services.common.weights import lora_tensor_names
-from services.rollout.engine import Adapter, checkpoint_files
+from services.common.weights import LoraAdapter, lora_tensor_names
+from services.rollout.engine import checkpoint_files
 
 
-def adapter_to_proto(adapter: Adapter) -> rollout_pb2.LoraAdapter:
-    return rollout_pb2.LoraAdapter(rank=adapter.rank, scaling=adapter.scaling, target_modules=list(adapter.targets))
-
-
-def parse_adapter(msg: rollout_pb2.LoraAdapter, parameters: Mapping[str, tuple[int, ...]]) -> Adapter:
+def parse_adapter(msg: rollout_pb2.LoraAdapter, parameters: Mapping[str, tuple[int, ...]]) -> LoraAdapter:
     """Checks an UpdateWeightsRequest.adapter against the model; INVALID_ARGUMENT names what is wrong."""
     if msg.rank < 1:
         raise invalid_argument("adapter.rank", None, f"{msg.rank} is not a rank", "send the adapter's rank r >= 1")
@@ -52,10 +48,10 @@ def parse_adapter(msg: rollout_pb2.LoraAdapter, parameters: Mapping[str, tuple[i
             raise invalid_argument("adapter.target_modules", item, f"the model has no 2-D weight '{target}.weight'",
                                    "name linear modules of this model by their Hugging Face path, e.g. "
                                    "'model.layers.0.self_attn.q_proj'")
-    return Adapter(int(msg.rank), float(msg.scaling), tuple(msg.target_modules))
+    return LoraAdapter(int(msg.rank), float(msg.scaling), tuple(msg.target_modules))
 
 
-def merged_weight(adapter: Adapter, target: str, tensors: Mapping[str, torch.Tensor], base_weight: torch.Tensor,
+def merged_weight(adapter: LoraAdapter, target: str, tensors: Mapping[str, torch.Tensor], base_weight: torch.Tensor,
                   dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """W_T + scaling * B @ A of target T, in `dtype` on `device`, summed in float32.
 
@@ -68,7 +64,7 @@ def merged_weight(adapter: Adapter, target: str, tensors: Mapping[str, torch.Ten
     return (weight + adapter.scaling * (b @ a)).to(dtype)
 
 
-def adapter_weights(adapter: Adapter, tensors: Mapping[str, torch.Tensor], base: CheckpointWeights,
+def adapter_weights(adapter: LoraAdapter, tensors: Mapping[str, torch.Tensor], base: CheckpointWeights,
                     previous: tuple[str, ...], dtype: torch.dtype,
                     device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     """What an engine loads for an adapter push, one weight at a time (Hugging Face names): the
@@ -83,7 +79,7 @@ def adapter_weights(adapter: Adapter, tensors: Mapping[str, torch.Tensor], base:
             yield name, weight.to(device, dtype)
 
 
-def checkpoint_with_adapter(adapter: Adapter, tensors: Mapping[str, torch.Tensor], base: CheckpointWeights,
+def checkpoint_with_adapter(adapter: LoraAdapter, tensors: Mapping[str, torch.Tensor], base: CheckpointWeights,
                             dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the --pretrain checkpoint, the targets' weights merged with the adapter: for an
     engine that reloads its whole model (vLLM on the CPU), one tensor at a time, on the CPU."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.common.weights import DigestEntry, ParamSlot, lora_tensor_names
+from services.common.weights import DigestEntry, LoraAdapter, ParamSlot
 
 
 @dataclass(frozen=True)
@@ -73,25 +73,6 @@ class SampleResult:
 
 
 @dataclass(frozen=True)
-class Adapter:
-    """The LoRA adapter of an adapter push (UpdateWeightsRequest.adapter), validated (adapters.py)."""
-
-    rank: int
-    scaling: float
-    targets: tuple[str, ...]  # Hugging Face module names, each with a 2-D weight "<target>.weight"
-
-    def tensor_shapes(self, parameters: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-        """name -> shape of every tensor the push must carry, given the model's parameter shapes:
-        T.lora_A.weight (rank, in) and T.lora_B.weight (out, rank) for the (out, in) weight of T."""
-        shapes = {}
-        for target in self.targets:
-            out_features, in_features = parameters[f"{target}.weight"]
-            a, b = lora_tensor_names(target)
-            shapes[a], shapes[b] = (self.rank, in_features), (out_features, self.rank)
-        return shapes
-
-
-@dataclass(frozen=True)
 class WeightChunk:
     """One UpdateWeights chunk, already validated against the model's parameter table (an adapter
     push's: against the adapter's tensors)."""
@@ -101,7 +82,7 @@ class WeightChunk:
     slots: list[ParamSlot]
     bucket_sizes: list[int]
     ipc_buckets: list[bytes] = field(default_factory=list)  # serialized rollout_pb2.IpcBucket
-    adapter: Adapter | None = None  # set on every chunk of an adapter push
+    adapter: LoraAdapter | None = None  # set on every chunk of an adapter push
 
 
 @dataclass(frozen=True)

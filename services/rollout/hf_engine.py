@@ -18,10 +18,10 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.common.log import get_logger, log_event
-from services.common.weights import DigestEntry, tensor_digest
+from services.common.weights import DigestEntry, LoraAdapter, tensor_digest
 from services.rollout.config import RolloutConfig
 from services.rollout.adapters import CheckpointWeights, adapter_weights
-from services.rollout.engine import Adapter, Engine, ModelFacts, SampleResult, SampleSpec, Sampling, WeightChunk
+from services.rollout.engine import Engine, ModelFacts, SampleResult, SampleSpec, Sampling, WeightChunk
 from services.rollout.weight_receiver import WeightReceiver
 
 log = get_logger("rollout")
@@ -228,7 +228,7 @@ class HfEngine(Engine):
         slots = {s.name: s for s in chunk.slots}
         return {n: DigestEntry(slots[n].dtype, slots[n].shape, bytes.fromhex(d)) for n, d in digests.items()}
 
-    def _merge_adapter(self, adapter: Adapter, params: dict[str, torch.nn.Parameter]) -> None:
+    def _merge_adapter(self, adapter: LoraAdapter, params: dict[str, torch.nn.Parameter]) -> None:
         """Loads the --pretrain weights of the adapter's targets merged with it (adapters.py)."""
         if self._base is None:
             self._base = CheckpointWeights(self.config.pretrain)

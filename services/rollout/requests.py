@@ -12,10 +12,10 @@ from rlmesh.common.v1 import common_pb2
 from rlmesh.rollout.v1 import rollout_pb2
 from services.common.errors import failed_precondition, invalid_argument
 from services.common.tensors import from_proto
-from services.common.weights import check_layout, dtype_name, slots_from_proto
+from services.common.weights import LoraAdapter, check_layout, dtype_name, slots_from_proto
 from services.rollout.config import RolloutConfig
 from services.rollout.adapters import parse_adapter
-from services.rollout.engine import Adapter, ModelFacts, Sampling, WeightChunk
+from services.rollout.engine import ModelFacts, Sampling, WeightChunk
 
 
 @dataclass
@@ -147,7 +147,7 @@ class PushProgress:
     version: int
     next_chunk: int
     received: set[str]
-    adapter: Adapter | None = None  # an adapter push's, from its chunk 0
+    adapter: LoraAdapter | None = None  # an adapter push's, from its chunk 0
 
 
 def parse_update(request: rollout_pb2.UpdateWeightsRequest, facts: ModelFacts, backend: str,

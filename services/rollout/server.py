@@ -38,11 +38,17 @@ from services.common.errors import ServiceError, failed_precondition, handle_err
 from services.common.log import get_logger, log_event
 from services.common.server import ServiceRunner
 from services.common.tensors import to_proto
-from services.common.weights import BACKEND_NAMES, WIRE_DTYPES, DigestEntry, adapter_checksum_entries, combine_digests
+from services.common.weights import (
+    BACKEND_NAMES,
+    WIRE_DTYPES,
+    DigestEntry,
+    LoraAdapter,
+    adapter_checksum_entries,
+    combine_digests,
+)
 from services.rollout import metrics
 from services.rollout.config import RolloutConfig
-from services.rollout.adapters import adapter_to_proto
-from services.rollout.engine import Adapter, Engine, SampleResult, SampleSpec
+from services.rollout.engine import Engine, SampleResult, SampleSpec
 from services.rollout.engines import build_engine
 from services.rollout.requests import PushProgress, check_generate_shape, parse_sampling, parse_update, prepare_prompts
 
@@ -160,7 +166,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         # LoRA: the adapter merged by the last push (None: the weights of the checkpoint or of a full
         # push), and whether the weights outside its targets are the --pretrain ones an adapter
         # applies to (a full push of other weights, or a broken push, leaves them otherwise).
-        self.adapter: Adapter | None = None
+        self.adapter: LoraAdapter | None = None
         self.base_intact = True
         self.state = rollout_pb2.WEIGHTS_STATE_READY
         self.state_detail = ""
@@ -438,7 +444,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 vocab_size=f.vocab_size, engine_kind=_ENGINE_KINDS[f.engine_kind], engine_version=f.engine_version,
                 weights_dtype=WIRE_DTYPES.get(f.dtype, 0), tensor_parallel_size=f.tensor_parallel_size,
                 weights_state=self.state, weights_state_detail=self.state_detail, sleep_level=self.sleep_level,
-                adapter=adapter_to_proto(self.adapter) if self.adapter else None, lora_enabled=self.config.enable_lora)
+                adapter=self.adapter.to_proto() if self.adapter else None, lora_enabled=self.config.enable_lora)
             if request.include_parameters:
                 response.parameters.extend(
                     rollout_pb2.ParameterMeta(name=name, dtype=WIRE_DTYPES.get(f.dtype, 0), shape=list(shape))

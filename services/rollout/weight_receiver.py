@@ -15,6 +15,7 @@ import torch
 
 from rlmesh.rollout.v1 import rollout_pb2
 from services.common.weights import (
+    LoraAdapter,
     ParamSlot,
     bucket_members,
     bucket_sums,
@@ -26,7 +27,7 @@ from services.common.weights import (
     receive_buckets,
     unpack_bucket,
 )
-from services.rollout.engine import Adapter, WeightChunk
+from services.rollout.engine import WeightChunk
 
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 
@@ -49,7 +50,7 @@ def chunk_from_wire(wire: dict) -> WeightChunk:
     adapter = None
     if wire["adapter"] is not None:
         rank, scaling, targets = wire["adapter"]
-        adapter = Adapter(rank, scaling, tuple(targets))
+        adapter = LoraAdapter(rank, scaling, tuple(targets))
     return WeightChunk(chunk_index=wire["chunk_index"], final=wire["final"], slots=slots,
                        bucket_sizes=list(wire["bucket_sizes"]), ipc_buckets=list(wire["ipc_buckets"]),
                        adapter=adapter)

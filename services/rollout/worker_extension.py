@@ -15,8 +15,8 @@ import gc
 
 import torch
 
+from services.common.weights import LoraAdapter
 from services.rollout.adapters import CheckpointWeights, adapter_weights, checkpoint_with_adapter
-from services.rollout.engine import Adapter
 from services.rollout.weight_receiver import WeightReceiver, chunk_from_wire
 
 
@@ -82,7 +82,7 @@ class RolloutWorkerExtension:
             torch.cuda.synchronize(self.device)
         return digests
 
-    def _rlmesh_merge_adapter(self, adapter: Adapter, tensors: dict[str, torch.Tensor], on_cpu: bool) -> None:
+    def _rlmesh_merge_adapter(self, adapter: LoraAdapter, tensors: dict[str, torch.Tensor], on_cpu: bool) -> None:
         if not hasattr(self, "_rlmesh_base"):
             self._rlmesh_base = CheckpointWeights(self.model_config.model)
         dtype = self.model_config.dtype

