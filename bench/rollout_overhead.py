@@ -36,11 +36,9 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
 
-# Qwen2.5-0.5B's shapes, random weights: the GPU reference model of ENVIRONMENT.md.
+from bench.shapes import QWEN25_05B  # noqa: E402 - Qwen2.5-0.5B's shapes, the GPU reference model
+
 MARK = "RLMESH_BENCH"
-QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
-                  tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

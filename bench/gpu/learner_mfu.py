@@ -43,14 +43,13 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
 
+from bench.shapes import QWEN25_05B  # noqa: E402
+
 import torch  # noqa: E402
 
 from rlmesh.learner.v1 import learner_pb2 as pb  # noqa: E402
 from tests.learner.learner_helpers import experience, logprobs, start_learner  # noqa: E402
 
-QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
-                  tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -30,7 +30,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
 
 import torch  # noqa: E402
 
-from bench.gpu.learner_mfu import QWEN25_05B  # noqa: E402
+from bench.shapes import QWEN25_05B  # noqa: E402
 from services.learner import host_offload  # noqa: E402
 
 

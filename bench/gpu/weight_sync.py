@@ -37,16 +37,14 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
+
+from bench.shapes import QWEN25_05B, QWEN25_7B  # noqa: E402
 # Child processes (services, senders) import this checkout and what PYTHONPATH already holds.
 os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "protos"),
                                             *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
 
 import torch  # noqa: E402
 
-QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
-QWEN25_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                 num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
 SHAPES = {"0.5b": QWEN25_05B, "7b": QWEN25_7B}
 
 
