@@ -29,11 +29,12 @@ plat=(--only-binary=:all: --python-version 3.12 --implementation cp
 # helpers in pybind11) links no torch symbols, so the cp312 wheel runs on torch 2.11. hydra-core 1.3.8 wants
 # omegaconf < 2.4 and antlr4 4.9.*. wandb and tensorboard are imported only for those loggers (not used);
 # pybind11, listed by veRL, is not imported. einops, cloudpickle and psutil come with the machine's vLLM.
+# jmespath: vLLM's OpenAI server, which veRL's rollout starts, imports it (its model_hosting_container_standards).
 python3 -m pip download -q --no-deps "${plat[@]}" -d .gpu/peer-wheels \
   trl==1.16.0 datasets==5.2.0 multiprocess==0.70.19 xxhash==4.1.0 openrlhf==0.11.2 torchdata==0.11.0 \
   pyarrow==24.0.0 pandas==3.0.0 \
   verl==0.9.1 transferqueue==0.1.11 tensordict==0.10.0 pyvers==0.1.0 orjson==3.11.4 hydra-core==1.3.8 \
-  omegaconf==2.3.0 codetiming==1.4.0
+  omegaconf==2.3.0 codetiming==1.4.0 jmespath==1.1.0
 # published as source archives only
 python3 -m pip wheel -q --no-deps -w .gpu/peer-wheels pylatexenc==2.11 antlr4-python3-runtime==4.9.3
 tar -cf .gpu/peers.tar -C .gpu peer-wheels
