@@ -9,6 +9,7 @@ the field and the sample, and the ranks only ever get well-formed work.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 
 import torch
@@ -184,11 +185,11 @@ def token_micro_batches(samples: list[Sample], count: int) -> list[list[Sample]]
     """samples in `count` micro-batches of near-equal token counts: longest first, each into the
     micro-batch holding the fewest tokens so far (ties: the first)."""
     bins: list[list[Sample]] = [[] for _ in range(count)]
-    loads = [0] * count
+    lightest = [(0, b) for b in range(count)]  # (tokens so far, micro-batch): a heap
     for i in sorted(range(len(samples)), key=lambda i: (-samples[i].input_ids.numel(), i)):
-        j = min(range(count), key=lambda b: (loads[b], b))
+        load, j = heapq.heappop(lightest)
         bins[j].append(samples[i])
-        loads[j] += samples[i].input_ids.numel()
+        heapq.heappush(lightest, (load + samples[i].input_ids.numel(), j))
     return [b for b in bins if b]
 
 
