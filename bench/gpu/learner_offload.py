@@ -12,11 +12,18 @@ DeepSpeed's next offload too); the first cycle of each is a warm-up, shown and n
 reload the checksums of the weights and of the optimizer's states must equal the ones before the
 offload (the states back on the device), and an optimizer step runs after the cycles. Prints the
 median seconds of each direction and the ratio ours / DeepSpeed.
+
+Before the cycles, the copy rates this GPU reaches between device and pinned host memory (one
+1 GiB tensor each way, median of 3) say what an offload could cost at best. After them, one more
+offload of host_offload's is taken apart (--breakdown, on by default): DeepSpeed's part per kind
+of state, the optimizer's states, and the time DeepSpeed spends in gc.collect and empty_cache,
+each with the bytes it moved off the device.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import pathlib
 import socket
@@ -39,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--zero_stage", type=int, default=2, choices=[1, 2, 3])
     p.add_argument("--cycles", type=int, default=4, help="timed cycles per method (after one warm-up each)")
+    p.add_argument("--no_breakdown", dest="breakdown", action="store_false",
+                   help="skip the offload taken apart after the cycles")
     return p.parse_args(argv)
 
 
@@ -93,6 +102,54 @@ METHODS = {"deepspeed": (lambda engine: _timed(engine.offload_states), lambda en
            "host_offload": (host_offload.offload_engine, host_offload.reload_engine)}
 
 
+def copy_rates(gib: float = 1.0, repeats: int = 3) -> tuple[float, float]:
+    """(device -> pinned host, pinned host -> device) GB/s for one tensor of `gib` GiB, median of `repeats`."""
+    device = torch.empty(int(gib * 2**30), dtype=torch.uint8, device="cuda")
+    host = torch.empty(device.numel(), dtype=torch.uint8, pin_memory=True)
+    rates = {"d2h": [], "h2d": []}
+    for _ in range(repeats):
+        rates["d2h"].append(device.numel() / 1e9 / _timed(lambda: host.copy_(device, non_blocking=True)))
+        rates["h2d"].append(device.numel() / 1e9 / _timed(lambda: device.copy_(host, non_blocking=True)))
+    return statistics.median(rates["d2h"]), statistics.median(rates["h2d"])
+
+
+def offload_parts(engine) -> list[tuple[str, float, int]]:
+    """host_offload's offload of a ZeRO-1/2 engine in its parts, a synchronize after each:
+    [(part, seconds, bytes freed on the device)], DeepSpeed's gc.collect and empty_cache apart."""
+    spent = {"gc.collect (in DeepSpeed)": 0.0, "empty_cache (in DeepSpeed)": 0.0}
+    real = {"gc.collect (in DeepSpeed)": (gc, "collect", gc.collect),
+            "empty_cache (in DeepSpeed)": (torch.cuda, "empty_cache", torch.cuda.empty_cache)}
+
+    def timing(name, fn):
+        def call(*args, **kwargs):
+            t0 = time.monotonic()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.monotonic() - t0
+        return call
+
+    parts = []
+
+    def part(name, call):
+        before = torch.cuda.memory_allocated()
+        seconds = _timed(call)
+        parts.append((name, seconds, before - torch.cuda.memory_allocated()))
+
+    for name, (owner, attr, fn) in real.items():
+        setattr(owner, attr, timing(name, fn))
+    try:
+        for state in host_offload._ZERO12_STATES:
+            part(f"DeepSpeed {state.name}", lambda: engine.offload_states(include=(state,), pin_memory=True,
+                                                                          non_blocking=True))
+        part("optimizer states (host_offload)", lambda: host_offload._offload_optimizer_states(engine))
+    finally:
+        for owner, attr, fn in real.values():
+            setattr(owner, attr, fn)
+    parts += [(name, seconds, 0) for name, seconds in spent.items()]
+    return parts
+
+
 def cycle(engine, method: str) -> tuple[float, float, int]:
     """One offload + reload; (offload s, reload s, GPU bytes allocated while offloaded)."""
     before, moments = checksum(engine.module), optimizer_checksum(engine)
@@ -123,6 +180,8 @@ def main(argv=None) -> int:
     params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     print(f"ZeRO-{args.zero_stage}, {params / 1e6:.0f}M parameters, "
           f"{loaded / 2**30:.2f} GiB allocated with the optimizer states")
+    d2h, h2d = copy_rates()
+    print(f"copy rates with pinned host memory: device -> host {d2h:.1f} GB/s, host -> device {h2d:.1f} GB/s")
     times = {method: [] for method in METHODS}
     for method in times:
         for i in range(args.cycles + 1):
@@ -137,6 +196,13 @@ def main(argv=None) -> int:
         print(f"median {m:12s} offload {o:.3f} s  reload {b:.3f} s")
     (do, db), (ho, hb) = med["deepspeed"], med["host_offload"]
     print(f"ratio host_offload / deepspeed: offload {ho / do:.2f}x, reload {hb / db:.2f}x")
+    if args.breakdown and args.zero_stage in (1, 2):
+        parts = offload_parts(engine)
+        print("one host_offload offload in parts (DeepSpeed's gc.collect and empty_cache are inside its parts):")
+        for name, seconds, freed in parts:
+            rate = f"  {freed / 1e9 / seconds:.1f} GB/s" if freed > 0 and seconds > 0 else ""
+            print(f"  {name:34s} {seconds:.3f} s  {freed / 1e9:.2f} GB off the device{rate}")
+        host_offload.reload_engine(engine)
     ids = torch.randint(0, QWEN25_05B["vocab_size"], (1, 256), device=engine.device)
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()  # the optimizer steps on the reloaded states

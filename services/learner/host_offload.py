@@ -7,6 +7,10 @@ drops those of the master and model weights. Page-locking gigabytes is most of a
 Here every pinned buffer is kept from one offload to the next (the optimizer's states are moved by
 this module under ZeRO-1/2; ZeRO-3 keeps its own), the copies are queued without waiting for each,
 and the device is synchronized once at the end of each direction.
+
+Adam creates its moments at the first optimizer step, so the offload before step 1 (the coordinator
+offloads the learner once its services are up) finds none: it page-locks their buffers ahead, with
+the shapes Adam will give them, so that step 1's offload costs what the later ones cost.
 """
 
 from __future__ import annotations
@@ -53,11 +57,31 @@ def reload_engine(engine) -> float:
     return time.monotonic() - t0
 
 
+# The per-parameter state torch's Adam and AdamW create at their first step, shaped like the parameter.
+_ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _pin_ahead(optimizer, buffers: dict) -> None:
+    """Pinned buffers for the moments an Adam that has not stepped yet will create (nothing for
+    other optimizers: their state is not known before it exists)."""
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return
+    for group in optimizer.param_groups:
+        keys = _ADAM_MOMENTS + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+        for param in group["params"]:
+            if not param.requires_grad or param.device.type != "cuda" or optimizer.state.get(param):
+                continue
+            for key in keys:
+                if (param, key) not in buffers:
+                    buffers[(param, key)] = torch.empty_like(param, device="cpu", pin_memory=True)
+
+
 def _offload_optimizer_states(engine) -> None:
     """The wrapped optimizer's device tensors (Adam's moments, a fused step count) into pinned host
     buffers made once per tensor; the ones moved are remembered for the reload."""
     buffers = engine.__dict__.setdefault("_rlmesh_pinned_states", {})
     moved = engine.__dict__["_rlmesh_moved_states"] = []
+    _pin_ahead(engine.optimizer.optimizer, buffers)
     for param, state in engine.optimizer.optimizer.state.items():
         for key, value in state.items():
             if not (torch.is_tensor(value) and value.device.type == "cuda"):

@@ -27,7 +27,7 @@ from services.common.errors import failed_precondition
 from services.common.log import get_logger, log_event
 from services.common.logprobs import sequence_logprobs, token_logprobs
 from services.common import ownership
-from services.learner import checkpoint, host_offload, logprob_head, universal
+from services.learner import checkpoint, host_offload, logprob_head, universal, warmup
 from services.learner.batches import MicroBatch, Sample, StepPlan, collate, ragged_rows
 from services.learner.config import LearnerConfig
 from services.learner.deepspeed_setup import (
@@ -83,8 +83,10 @@ class LearnerRank:
                 raise ValueError(f"--critic_pretrain vocabulary ({critic.config.vocab_size}) is smaller than the "
                                  f"actor's ({self.vocab_size}); use a critic with the actor's tokenizer")
             self.critic = build_engine(critic, cfg, ds_config, cfg.critic_learning_rate)
+        warm_s = warmup.warm_up(self)
         log_event(log, "rank.ready", rank=self.spec.rank, world_size=self.spec.world_size,
-                  zero_stage=cfg.zero_stage, critic=bool(self.critic), seconds=round(time.monotonic() - started, 1))
+                  zero_stage=cfg.zero_stage, critic=bool(self.critic), seconds=round(time.monotonic() - started, 1),
+                  warm_up_s=round(warm_s, 2))
         return group, self.execute
 
     def _store(self):
@@ -167,7 +169,7 @@ class LearnerRank:
         logits = forward_micro_batch(self.critic, mb).logits  # (rows, T, 1)
         return logits[:, :-1, 0].reshape(-1)[mb.out_index].float()
 
-    def _actor_outputs(self, mb: MicroBatch, temperature: float, want_entropy: bool):
+    def actor_outputs(self, mb: MicroBatch, temperature: float, want_entropy: bool):
         """(B, R) log-probs of the response tokens, and their entropies when asked (else None)."""
         if self.config.logprobs_head != "full":
             return logprob_head.response_outputs(self.actor.module, mb, temperature, self.config.logprobs_head,
@@ -250,7 +252,7 @@ class LearnerRank:
             normalizer = step.tokens if level == "token" else step.sequences
             policy_normalizer = step.tokens if policy_level == "token" else step.sequences
             mask = mb.action_mask
-            logp, entropy = self._actor_outputs(mb, temperature, entropy_coef != 0)
+            logp, entropy = self.actor_outputs(mb, temperature, entropy_coef != 0)
             # TIS: the rollout engine's log-probs are the behaviour policy (async lag, other kernels).
             is_weights = (rl_math.truncated_is_weights(mb.fields["old_logprobs"], mb.fields["rollout_logprobs"], mask,
                                                        tis_cap) if tis_cap > 0 else None)

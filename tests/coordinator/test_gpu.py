@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -46,6 +47,10 @@ def run_hybrid(tmp_path, monkeypatch, model, reward_model, data, *extra):
     assert all(r["samples/trained"] == 16 for r in records)
     pids = service_pids(tmp_path / "run")
     assert not [name for name, pid in pids.items() if pid_alive(pid)], "services outlived the coordinator"
+    # The learner ran its forward paths once before step 1 (services/learner/warmup.py).
+    learner_logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("learner*.log"))
+    warm = [float(s) for s in re.findall(r"rank\.ready .*warm_up_s=([0-9.]+)", learner_logs)]
+    assert warm and all(s > 0 for s in warm), learner_logs[-3000:]
     return output, records
 
 

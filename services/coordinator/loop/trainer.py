@@ -164,7 +164,11 @@ class Trainer(RunCheckpoints):
         else:
             self.state.weight_version = 0
         self.first_version = self.state.weight_version
+        # Each step starts with the learner offloaded and the engines asleep (both woken as the step
+        # needs them), step 1 as well: what their first offload and sleep set up (page-locked host
+        # buffers) is done here, before the first step.
         await self.colocation.offload_learner()
+        await self.colocation.sleep_rollout()
 
     def _service_entries(self) -> list[ServiceEntry]:
         entries = [ServiceEntry("rollout", e.index, e.address, e.weight_version) for e in self.pool.engines]
