@@ -69,7 +69,8 @@ def _pin_ahead(optimizer, buffers: dict) -> None:
     for group in optimizer.param_groups:
         keys = _ADAM_MOMENTS + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
         for param in group["params"]:
-            if not param.requires_grad or param.device.type != "cuda" or optimizer.state.get(param):
+            # (DeepSpeed has moved the master weights, which these are, to host memory by now.)
+            if not param.requires_grad or optimizer.state.get(param):
                 continue
             for key in keys:
                 if (param, key) not in buffers:

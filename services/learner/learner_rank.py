@@ -83,7 +83,8 @@ class LearnerRank:
                 raise ValueError(f"--critic_pretrain vocabulary ({critic.config.vocab_size}) is smaller than the "
                                  f"actor's ({self.vocab_size}); use a critic with the actor's tokenizer")
             self.critic = build_engine(critic, cfg, ds_config, cfg.critic_learning_rate)
-        warm_s = warmup.warm_up(self)
+        warm_s = warmup.warm_up(self) if self.device.type == "cuda" else 0.0
+        warmup.freeze_heap()
         log_event(log, "rank.ready", rank=self.spec.rank, world_size=self.spec.world_size,
                   zero_stage=cfg.zero_stage, critic=bool(self.critic), seconds=round(time.monotonic() - started, 1),
                   warm_up_s=round(warm_s, 2))

@@ -12,8 +12,11 @@ all of them.
 
 Each call runs in a worker process, in its main thread (function_worker.py): libraries that time
 out with SIGALRM, such as math-verify, work as in a script, and a call past the time limit is
-stopped by killing its worker, which is replaced. Up to `max_in_flight` workers are started as
-calls need them. A crash, a hang or an exception in user code fails the request with an error
+stopped by killing its worker, which is replaced. `workers_at_start` workers start together when
+the source is made (the reward service starts as many as it may run at once, up to one per CPU
+core): a file that imports torch takes seconds to load, and a step's first calls waiting for new
+workers made its scoring seconds slower than the next steps'. More, up to `max_in_flight`, are
+started as calls need them. A crash, a hang or an exception in user code fails the request with an error
 naming the file and the samples; it never turns into a reward of zero.
 """
 
@@ -125,9 +128,10 @@ class FunctionRewardSource(RewardSource):
     kind = "function"
 
     def __init__(self, func: Callable | str, origin: str, timeout_s: float, batch_size: int = 1024,
-                 max_in_flight: int = 4, start_timeout_s: float | None = None):
-        """func: the function, or the path of a file defining reward_func. The first worker starts here
-        (so a file that does not import is a ConfigError before the service serves)."""
+                 max_in_flight: int = 4, start_timeout_s: float | None = None, workers_at_start: int = 1):
+        """func: the function, or the path of a file defining reward_func. `workers_at_start` workers
+        (at least one, at most max_in_flight) start here together (so a file that does not import is
+        a ConfigError before the service serves)."""
         try:
             self.target = function_worker.target_of(func)
         except ValueError as exc:
@@ -147,36 +151,55 @@ class FunctionRewardSource(RewardSource):
         self._freed: asyncio.Condition | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
-        first = self._start_worker()
-        self.optional: list[str] = first.optional
-        self._idle.append(first)
-        self._live = 1
+        started = self._start_workers(max(1, min(workers_at_start, max_in_flight)))
+        self.optional: list[str] = started[0].optional
+        self._idle.extend(started)
+        self._live = len(started)
 
     @classmethod
-    def from_file(cls, path: str, timeout_s: float, batch_size: int = 1024, max_in_flight: int = 4):
-        return cls(path, path, timeout_s, batch_size, max_in_flight)
+    def from_file(cls, path: str, timeout_s: float, batch_size: int = 1024, max_in_flight: int = 4,
+                  workers_at_start: int = 1):
+        return cls(path, path, timeout_s, batch_size, max_in_flight, workers_at_start=workers_at_start)
 
     def describe(self) -> str:
         return self.origin
 
     def _start_worker(self) -> _Worker:
         """Starts a worker and waits until it imported the function (blocking; ConfigError if it cannot)."""
-        worker = _Worker(self.target)
-        reply = worker.wait_ready(self.start_timeout_s)
-        if reply[0] == "ready":
-            worker.optional = reply[1]
-            self._workers.add(worker)
-            return worker
-        worker.kill()
+        return self._start_workers(1)[0]
+
+    def _start_workers(self, count: int) -> list[_Worker]:
+        """Starts `count` workers at once and waits until each imported the function (blocking);
+        if one cannot, all are stopped and the first failure is a ConfigError."""
+        workers = []
+        try:
+            for _ in range(count):
+                workers.append(_Worker(self.target))
+            replies = [worker.wait_ready(self.start_timeout_s) for worker in workers]
+        except BaseException:
+            for worker in workers:
+                worker.kill()
+            raise
+        failed = next((reply for reply in replies if reply[0] != "ready"), None)
+        if failed is None:
+            for worker, reply in zip(workers, replies):
+                worker.optional = reply[1]
+                self._workers.add(worker)
+            return workers
+        for worker in workers:
+            worker.kill()
+        raise self._start_error(failed)
+
+    def _start_error(self, reply: tuple) -> ConfigError:
         if reply[0] == "failed":
-            raise ConfigError(reply[1] if reply[1].startswith("--remote_rm_url") else
+            return ConfigError(reply[1] if reply[1].startswith("--remote_rm_url") else
                               f"reward function {self.origin}: loading it in a worker process failed: {reply[1]} "
                               "(define it at module level, so that the worker can import it)")
         if reply[0] == "timeout":
-            raise ConfigError(f"reward function {self.origin}: its worker process did not finish importing it "
+            return ConfigError(f"reward function {self.origin}: its worker process did not finish importing it "
                               f"within {self.start_timeout_s:g} s; make the import faster or raise "
                               "--reward_func_timeout_s")
-        raise ConfigError(f"reward function {self.origin}: its worker process exited with code {reply[1]} while "
+        return ConfigError(f"reward function {self.origin}: its worker process exited with code {reply[1]} while "
                           "importing it; its output above, or running the file with python, says why")
 
     async def start(self) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -235,8 +236,11 @@ def make_reward_source(config: RewardConfig) -> RewardSource | None:
     if config.remote_kind == "grpc":
         return GrpcRewardSource(config.remote_urls, policy, config.max_message_mb, config.remote_rm_tls_ca)
     if config.remote_kind == "function":
+        # As many workers as may run at once (up to one per core) load the file before the service
+        # serves, so the first step's calls do not wait for more to start.
         return FunctionRewardSource.from_file(config.remote_urls[0], config.reward_func_timeout_s,
-                                              config.remote_rm_batch_size, config.remote_rm_max_in_flight)
+                                              config.remote_rm_batch_size, config.remote_rm_max_in_flight,
+                                              workers_at_start=min(config.remote_rm_max_in_flight, os.cpu_count() or 1))
     if config.rules:
         scheme = MathScheme(config.math_correct_reward, config.math_wrong_reward, config.math_no_answer_reward)
         return RuleRewardSource(config.rules, scheme, config.math_verify_timeout_s, config.math_verify_workers,

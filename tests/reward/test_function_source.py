@@ -346,3 +346,36 @@ def test_verl_batch_and_async_compute_score(tmp_path):
     assert err.code == grpc.StatusCode.INTERNAL
     assert "my_reward.py:one answered a dict without 'score' for sample 0" in err.message
     asyncio.run(source.close())
+
+
+def test_workers_at_start_load_the_file_together_and_serve_the_first_calls(tmp_path):
+    """The workers asked for at start are up before the source serves, and concurrent calls run in
+    them: no worker is started for the first calls."""
+    path = write(tmp_path, "import os, time\n"
+                           "time.sleep(0.5)  # a slow import, as with torch\n"
+                           "def reward_func(queries, prompts, labels, **kw):\n"
+                           "    time.sleep(0.3)\n"
+                           "    return [float(os.getpid())] * len(queries)\n")
+    t0 = time.monotonic()
+    source = FunctionRewardSource.from_file(path, timeout_s=10, batch_size=1, max_in_flight=3, workers_at_start=3)
+    started_s = time.monotonic() - t0
+    started = {w.process.pid for w in source._workers}
+    assert len(started) == 3 and all(w.alive() for w in source._workers)
+    assert started_s < 3 * 0.5 + 1.0  # loaded together, not one after another
+    out = run(source, ScoreBatch.from_texts(["a", "b", "c"], ["", "", ""]), close=True)
+    assert set(out.rewards.astype(int).tolist()) == started  # three calls at once, in the three workers
+
+
+def test_a_failing_file_stops_every_worker_started_with_it(tmp_path):
+    path = write(tmp_path, "raise RuntimeError('no model here')\n")
+    with pytest.raises(ConfigError, match="no model here"):
+        FunctionRewardSource.from_file(path, timeout_s=10, max_in_flight=4, workers_at_start=4)
+    workers = subprocess.run(["pgrep", "-f", "services.reward.function_worker"], capture_output=True, text=True)
+    assert not [pid for pid in workers.stdout.split() if _parent(int(pid)) == os.getpid()]
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
