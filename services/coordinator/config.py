@@ -63,7 +63,9 @@ class CoordinatorConfig(ServerConfig):
     enable_prefix_caching: bool = flags.ENABLE_PREFIX_CACHING.field(False)
     enforce_eager: bool = flags.ENFORCE_EAGER.field(False)
     colocate_all_models: bool = opt(False, "actor, critic, reward, reference and vLLM share the actor's GPUs; "
-                                    "needs actor GPUs == vllm_num_engines x vllm_tensor_parallel_size")
+                                    "needs vllm_num_engines x vllm_tensor_parallel_size == actor GPUs, or a "
+                                    "multiple of them for several engines per GPU (each with its share of "
+                                    "--vllm_gpu_memory_utilization)")
     colocate_actor_ref: bool = opt(False, "the reference model shares the actor's GPUs")
     colocate_critic_reward: bool = opt(False, "the reward model shares the critic's GPUs")
     vllm_enable_sleep: bool = opt(False, "vLLM frees its GPU memory between generations (GPU only)")
@@ -298,6 +300,12 @@ class CoordinatorConfig(ServerConfig):
     def actor_gpus(self) -> int:
         return self.actor_num_nodes * self.actor_num_gpus_per_node
 
+    def engines_per_gpu(self) -> int:
+        """Rollout engines sharing each GPU: several when colocated with more engine GPUs than actor GPUs."""
+        if not self.colocate_all_models or self.actor_gpus() < 1:
+            return 1
+        return max(1, self.vllm_num_engines * self.vllm_tensor_parallel_size // self.actor_gpus())
+
     def samples_per_step(self) -> int:
         return self.rollout_batch_size * self.n_samples_per_prompt
 
@@ -423,13 +431,15 @@ class CoordinatorConfig(ServerConfig):
             raise ConfigError("--vllm_num_engines and --vllm_tensor_parallel_size must be >= 1")
         if self.placement == "static":
             return
-        if self.colocate_all_models and self.actor_gpus() != self.vllm_num_engines * self.vllm_tensor_parallel_size:
+        engine_gpus = self.vllm_num_engines * self.vllm_tensor_parallel_size
+        if self.colocate_all_models and (engine_gpus < self.actor_gpus() or engine_gpus % self.actor_gpus()
+                                         or self.actor_gpus() % self.vllm_tensor_parallel_size):
             raise ConfigError(
                 f"--colocate_all_models puts vLLM on the actor's GPUs, so actor GPUs "
                 f"({self.actor_num_nodes} x {self.actor_num_gpus_per_node} = {self.actor_gpus()}) must equal "
                 f"--vllm_num_engines x --vllm_tensor_parallel_size ({self.vllm_num_engines} x "
-                f"{self.vllm_tensor_parallel_size} = {self.vllm_num_engines * self.vllm_tensor_parallel_size}); "
-                "change one side")
+                f"{self.vllm_tensor_parallel_size} = {engine_gpus}), or divide it for several engines per GPU "
+                "(each engine on GPUs of its own set); change one side")
         if self.colocate_actor_ref and not self.colocate_all_models and self.ref_needed:
             if self.ref_num_nodes and (self.ref_num_nodes, self.ref_num_gpus_per_node) != (
                     self.actor_num_nodes, self.actor_num_gpus_per_node):
@@ -641,8 +651,15 @@ class CoordinatorConfig(ServerConfig):
         self.device = "cuda" if on_gpu else "cpu"
         self.on_gpu = on_gpu
         if on_gpu:
+            per_gpu = self.engines_per_gpu()
             if self.vllm_gpu_memory_utilization == 0:
-                self.vllm_gpu_memory_utilization = 0.5 if self.colocate_all_models else 0.9
+                self.vllm_gpu_memory_utilization = (0.5 if self.colocate_all_models else 0.9) / per_gpu
+            elif per_gpu > 1 and per_gpu * self.vllm_gpu_memory_utilization > 0.95:
+                raise ConfigError(
+                    f"--vllm_gpu_memory_utilization {self.vllm_gpu_memory_utilization} is per engine, and "
+                    f"{per_gpu} engines share each GPU (--vllm_num_engines {self.vllm_num_engines} on "
+                    f"{self.actor_gpus()} actor GPUs): together {per_gpu * self.vllm_gpu_memory_utilization:g} of "
+                    f"its memory; give at most {0.95 / per_gpu:.2f} (or 0 for {0.5 / per_gpu:g})")
             return
         for name in ("flash_attn", "adam_offload", "use_liger_kernel"):
             if getattr(self, name):

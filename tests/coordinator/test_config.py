@@ -65,7 +65,10 @@ def test_openrlhf_grpo_command_parses(paths):
 
 
 @pytest.mark.parametrize("extra, needle", [
-    (["--colocate_all_models", "--vllm_num_engines", "2"], "actor GPUs (1 x 1 = 1) must equal --vllm_num_engines"),
+    (["--colocate_all_models", "--actor_num_gpus_per_node", "2", "--vllm_num_engines", "3"],
+     "actor GPUs (1 x 2 = 2) must equal --vllm_num_engines x --vllm_tensor_parallel_size (3 x 1 = 3), or divide it"),
+    (["--colocate_all_models", "--actor_num_gpus_per_node", "3", "--vllm_num_engines", "3",
+      "--vllm_tensor_parallel_size", "2"], "or divide it for several engines per GPU"),
     (["--n_samples_per_prompt", "1", "--train_batch_size", "4"], "set --n_samples_per_prompt >= 2"),
     (["--train_batch_size", "32"], "--train_batch_size 32 must divide the samples of one step"),
     (["--train_batch_size", "6"], "must divide the samples of one step"),
@@ -233,3 +236,30 @@ def parse_learner(argv):
     from services.learner.config import LearnerConfig
 
     return config_from_args(LearnerConfig, build_parser(LearnerConfig).parse_args(argv))
+
+
+def test_several_engines_per_gpu_when_colocated(paths, monkeypatch):
+    """Colocated, engines x TP may be a multiple of the actor's GPUs: each GPU serves as many
+    engines, each with its share of the memory (the default divided, a too large share refused),
+    and the local placement gives them the actor's GPUs in turn."""
+    import torch
+
+    from services.coordinator.fleet.placement import service_specs
+
+    argv = base(paths, "--colocate_all_models", "--actor_num_gpus_per_node", "2", "--vllm_num_engines", "4")
+    cfg = parse(argv)
+    assert cfg.engines_per_gpu() == 2
+    cfg.vllm_gpu_memory_utilization = 0.0  # as given (parsing on this CPU machine set the CPU default)
+    cfg.resolve_device(True)
+    assert cfg.vllm_gpu_memory_utilization == 0.25  # 0.5 colocated, over two engines
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    specs = service_specs(cfg, total_steps=1)
+    engines = [s for s in specs if "rollout" in s.roles]
+    assert [s.gpu_ids for s in engines] == [[0], [1], [0], [1]]
+    assert {s.env["CUDA_VISIBLE_DEVICES"] for s in engines} == {"0", "1"}
+    one = parse(base(paths, "--colocate_all_models", "--vllm_num_engines", "1"))
+    assert one.engines_per_gpu() == 1
+    cfg.vllm_gpu_memory_utilization = 0.6
+    with pytest.raises(ConfigError) as err:
+        cfg.resolve_device(True)
+    assert "is per engine, and 2 engines share each GPU" in str(err.value) and "at most 0.47" in str(err.value)

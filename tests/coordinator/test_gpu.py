@@ -64,6 +64,17 @@ def test_hybrid_engine_on_one_gpu_ray(tiny_model_dir, tiny_reward_model_dir, tin
     assert "ray.connected address=local gpus=1" in output
 
 
+def test_two_engines_share_the_one_gpu(tiny_model_dir, tiny_reward_model_dir, tiny_data_dir, tmp_path, monkeypatch):
+    """--vllm_num_engines 2 colocated on one actor GPU: both engines start on that GPU with their
+    share of its memory, sleep while the learner trains, generate and take every IPC push."""
+    run_hybrid(tmp_path, monkeypatch, tiny_model_dir, tiny_reward_model_dir, tiny_data_dir, "--vllm_num_engines", "2")
+    logs = tmp_path / "run" / "logs"
+    for name in ("rollout-0", "rollout-1"):
+        text = (logs / f"{name}.log").read_text()
+        assert "generate.done" in text and "weights.update.done version=2" in text, text[-3000:]
+        assert "engine.sleep" in text, text[-3000:]
+
+
 def test_hybrid_engine_on_one_gpu_with_lora(tiny_model_dir, tiny_reward_model_dir, tiny_data_dir, tmp_path,
                                             monkeypatch):
     """The same command with LoRA: the engine (CUDA vLLM, sleeping between generations) takes

@@ -209,8 +209,8 @@ def assign_local_gpus(cfg: CoordinatorConfig, specs: list[ServiceSpec]) -> None:
     engines = [s for s in specs if "rollout" in s.roles]
     for i, spec in enumerate(engines):
         tp = cfg.vllm_tensor_parallel_size
-        if cfg.colocate_all_models:
-            spec.gpu_ids = list(range(i * tp, (i + 1) * tp))
+        if cfg.colocate_all_models:  # several engines per GPU when there are more than the actor's GPUs
+            spec.gpu_ids = [(i * tp + j) % cfg.actor_gpus() for j in range(tp)]
         else:
             spec.gpu_ids = list(range(next_free, next_free + tp))
             next_free += tp

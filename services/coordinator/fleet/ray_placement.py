@@ -245,7 +245,8 @@ class RayPlacement:
                                 f"{cfg.vllm_num_engines} x --vllm_tensor_parallel_size {tp})")
             engine_bundles = [(group, i) for i in range(cfg.vllm_num_engines * tp)]
         for i, spec in enumerate(rollout_specs):
-            placed.append(Placed(spec, engine_bundles[i * tp:(i + 1) * tp]))
+            first = i * tp % len(engine_bundles)  # colocated: several engines per GPU when more than the actor's
+            placed.append(Placed(spec, engine_bundles[first:first + tp]))
         for role, specs, shares_actor in (("reward", reward_specs, cfg.colocate_all_models or cfg.colocate_critic_reward),
                                           ("ref", ref_specs, cfg.colocate_all_models or cfg.colocate_actor_ref)):
             if not specs:
