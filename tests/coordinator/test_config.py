@@ -244,7 +244,7 @@ def test_several_engines_per_gpu_when_colocated(paths, monkeypatch):
     and the local placement gives them the actor's GPUs in turn."""
     import torch
 
-    from services.coordinator.fleet.placement import service_specs
+    from services.coordinator.fleet.placement import service_specs, start_waves
 
     argv = base(paths, "--colocate_all_models", "--actor_num_gpus_per_node", "2", "--vllm_num_engines", "4")
     cfg = parse(argv)
@@ -257,8 +257,16 @@ def test_several_engines_per_gpu_when_colocated(paths, monkeypatch):
     engines = [s for s in specs if "rollout" in s.roles]
     assert [s.gpu_ids for s in engines] == [[0], [1], [0], [1]]
     assert {s.env["CUDA_VISIBLE_DEVICES"] for s in engines} == {"0", "1"}
+    # The second engine of each GPU starts once the first ones serve (vLLM sizes its cache from the
+    # memory left while it starts); everything else starts with the first round.
+    waves = start_waves(cfg, specs)
+    others = [s.name for s in specs if "rollout" not in s.roles]
+    assert [[s.name for s in w] for w in waves] == [others[:1] + ["rollout-0", "rollout-1"] + others[1:],
+                                                    ["rollout-2", "rollout-3"]]
     one = parse(base(paths, "--colocate_all_models", "--vllm_num_engines", "1"))
     assert one.engines_per_gpu() == 1
+    one.resolve_device(True)
+    assert len(start_waves(one, service_specs(one, total_steps=1))) == 1
     cfg.vllm_gpu_memory_utilization = 0.6
     with pytest.raises(ConfigError) as err:
         cfg.resolve_device(True)

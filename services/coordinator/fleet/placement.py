@@ -252,6 +252,32 @@ def scaled_spec(cfg: CoordinatorConfig, role: str, taken: list[str]) -> ServiceS
                        num_gpus=1 if cfg.on_gpu else 0)
 
 
+def start_waves(cfg: CoordinatorConfig, items: list, spec_of=lambda item: item) -> list[list]:
+    """`items` (specs, or what holds one) in the groups that start together, one group after another.
+
+    vLLM sizes its KV cache from the memory the GPU has left while it profiles, so rollout engines
+    that share a GPU (several engines per GPU, --colocate_all_models) must not start at once: seen on
+    an H200, the second of two engines starting together counted the first's allocation as its own
+    and found -0.47 GiB for its cache. The first engine of each GPU starts with every other service;
+    each further round of engines starts once the round before it serves.
+    """
+    per_round = cfg.actor_gpus() // cfg.vllm_tensor_parallel_size if cfg.actor_gpus() else 1
+    if not (cfg.on_gpu and cfg.engines_per_gpu() > 1 and per_round > 0):
+        return [list(items)]
+    waves: list[list] = [[]]
+    engine = 0
+    for item in items:
+        if "rollout" in spec_of(item).roles:
+            wave = engine // per_round
+            engine += 1
+            while len(waves) <= wave:
+                waves.append([])
+            waves[wave].append(item)
+        else:
+            waves[0].append(item)
+    return [wave for wave in waves if wave]
+
+
 def endpoints_from(specs: list[ServiceSpec], addresses: list[str]) -> Endpoints:
     by_role = lambda role: [a for s, a in zip(specs, addresses) if role in s.roles]  # noqa: E731
     return Endpoints(rollout=by_role("rollout"), reward=by_role("reward"), reference=by_role("reference"),
@@ -279,18 +305,23 @@ class LocalPlacement:
 
     async def start(self) -> Endpoints:
         specs = service_specs(self.cfg, self.total_steps)
-        self.specs = list(specs)
-        for spec in specs:
-            self.processes.append(self._spawn(spec))
-        # They load their models in parallel; the first that fails stops the wait.
-        waits = [asyncio.ensure_future(wait_until_ready(p, self.cfg.service_start_timeout_s)) for p in self.processes]
-        try:
-            await asyncio.gather(*waits)
-        except BaseException:
-            for w in waits:
-                w.cancel()
-            await asyncio.gather(*waits, return_exceptions=True)
-            raise
+        started: dict[str, ServiceProcess] = {}
+        for wave in start_waves(self.cfg, specs):
+            processes = [self._spawn(spec) for spec in wave]
+            for spec, process in zip(wave, processes):
+                started[spec.name] = process
+            # Kept in the specs' order whatever the waves: the supervisor finds each by its name.
+            self.specs = [s for s in specs if s.name in started]
+            self.processes = [started[s.name] for s in self.specs]
+            # A wave loads its models in parallel; the first that fails stops the wait.
+            waits = [asyncio.ensure_future(wait_until_ready(p, self.cfg.service_start_timeout_s)) for p in processes]
+            try:
+                await asyncio.gather(*waits)
+            except BaseException:
+                for w in waits:
+                    w.cancel()
+                await asyncio.gather(*waits, return_exceptions=True)
+                raise
         return endpoints_from(specs, [p.address for p in self.processes])
 
     async def weight_sync_master(self, endpoints: Endpoints) -> tuple[str, int]:

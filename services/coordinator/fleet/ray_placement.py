@@ -45,7 +45,7 @@ from services.common.security import client_credentials, credentials_from_env, l
 from services.coordinator.config import CoordinatorConfig
 from services.coordinator.fleet.launcher import ServiceStartError, log_tail, spawn_service, wait_until_ready
 from services.coordinator.fleet.placement import (Endpoints, ServiceSpec, learner_argv, reward_argv, role_instances,
-                                            rollout_argv, scaled_spec)
+                                            rollout_argv, scaled_spec, start_waves)
 from services.coordinator.fleet.ray_cluster import (actor_node, bundle_has_live_node, cluster_summary, describe_bundles,
                                                   live_node_ips)
 
@@ -245,7 +245,7 @@ class RayPlacement:
                                 f"{cfg.vllm_num_engines} x --vllm_tensor_parallel_size {tp})")
             engine_bundles = [(group, i) for i in range(cfg.vllm_num_engines * tp)]
         for i, spec in enumerate(rollout_specs):
-            first = i * tp % len(engine_bundles)  # colocated: several engines per GPU when more than the actor's
+            first = i * tp % len(engine_bundles)  # colocated: several engines per GPU when more than the ranks
             placed.append(Placed(spec, engine_bundles[first:first + tp]))
         for role, specs, shares_actor in (("reward", reward_specs, cfg.colocate_all_models or cfg.colocate_critic_reward),
                                           ("ref", ref_specs, cfg.colocate_all_models or cfg.colocate_actor_ref)):
@@ -310,11 +310,15 @@ class RayPlacement:
         if shares_gpus:
             await self._start_learner()
         others = [p for p in self.placed if "learner" not in p.spec.roles]
-        starts = [self._start_one(p, wait=True) for p in others] + ([] if shares_gpus else [self._start_learner()])
-        results = await asyncio.gather(*starts, return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            raise errors[0]
+        # Engines sharing a GPU start one round after another (placement.start_waves says why).
+        for k, wave in enumerate(start_waves(cfg, others, spec_of=lambda p: p.spec)):
+            starts = [self._start_one(p, wait=True) for p in wave]
+            if k == 0 and not shares_gpus:
+                starts.append(self._start_learner())
+            results = await asyncio.gather(*starts, return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise errors[0]
         by_role = lambda role: [p.address for p in self.placed if role in p.spec.roles and p.address]  # noqa: E731
         return Endpoints(rollout=by_role("rollout"), reward=by_role("reward"), reference=by_role("reference"),
                          learner=self.learner_host.address)
