@@ -113,6 +113,11 @@ class RewardModel:
         self.std = float(getattr(config, "std", 1.0) or 1.0)
         self.has_norm_stats = hasattr(config, "mean") and hasattr(config, "std")
         self._lock = threading.Lock()
+        if self.device.type == "cuda":
+            # The first forward on a GPU loads its kernels and sets up cuBLAS (seconds): done here, not
+            # in the first step's scoring.
+            vocab, n = int(getattr(config, "vocab_size", 2) or 2), min(64, self.max_positions or 64)
+            self.scores([torch.arange(n) % vocab, torch.arange(n - n // 4) % vocab])
 
     @torch.inference_mode()
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
