@@ -60,11 +60,21 @@ class ClusterError(RuntimeError):
     pass
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(host: str = "") -> int:
-    """A port free on every address: Ray binds some of a node's ports on all of them."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port free on every address (Ray binds some of a node's ports on all of them) a moment ago,
+    and not handed out before by this process: a node's `ray start` takes eight at once, and the OS
+    may offer one port twice in a row, which `ray start` refuses ("trying to use a port number ...
+    that is used by other components")."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def _ray_command() -> list[str]:
@@ -161,8 +171,12 @@ class LocalCluster:
         try:
             self._start_node(state, head_gpus, cpus_per_node, object_store_mb, head=True, timeout_s=timeout_s,
                              extra_env=head_env)
+            # One wait for all the workers: each check is a Ray driver started in a child process
+            # (about a second of CPU), and a worker's start does not need the one before registered.
             for _ in range(workers):
-                self._start_node(state, gpus_per_node, cpus_per_node, object_store_mb, head=False, timeout_s=timeout_s)
+                self._start_node(state, gpus_per_node, cpus_per_node, object_store_mb, head=False, timeout_s=timeout_s,
+                                 wait=False)
+            self.wait_nodes(len(state.nodes), timeout_s)
         except BaseException:
             self.down()
             raise
@@ -183,7 +197,8 @@ class LocalCluster:
         return f"127.0.0.{host}"
 
     def _start_node(self, state: ClusterState, gpus: int, cpus: int, object_store_mb: int, head: bool,
-                    timeout_s: float, extra_env: dict[str, str] | None = None) -> NodeInfo:
+                    timeout_s: float, extra_env: dict[str, str] | None = None, wait: bool = True) -> NodeInfo:
+        """Starts one node and records it; wait: until the cluster counts it among its live nodes."""
         ip = self._next_ip(state)
         temp_dir = self.folder / f"node-{ip}"
         temp_dir.mkdir(parents=True, exist_ok=True)
@@ -227,7 +242,8 @@ class LocalCluster:
         state.nodes.append(node)
         state.used.append(ip)
         self._save(state)
-        self.wait_nodes(len(state.nodes), timeout_s)
+        if wait:
+            self.wait_nodes(len(state.nodes), timeout_s)
         return node
 
     def _worker_port_base(self, state: ClusterState) -> int:
