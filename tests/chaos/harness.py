@@ -136,6 +136,27 @@ def _pid_of(run_dir: pathlib.Path, service: str) -> int:
     raise RuntimeError(f"{service}: no child of the learner ({pid}) runs with RANK={rank}")
 
 
+def _wait_for_services_to_exit(out: pathlib.Path, timeout_s: float = 60.0) -> None:
+    """After the coordinator died: until no service of the run is left (each one's command line
+    names its ready file under out/run/logs, a learner's other ranks too), so that the resumed run
+    starts on a machine where the old services have stopped, without a fixed pause that is too
+    long on an idle machine and may be too short on a loaded one. Past timeout_s it goes on anyway."""
+    import psutil
+
+    logs = str(out / "run" / "logs")
+    deadline = time.monotonic() + timeout_s
+
+    def left(process: psutil.Process) -> bool:
+        try:
+            return (any(logs in arg for arg in process.info["cmdline"] or ())
+                    and process.status() != psutil.STATUS_ZOMBIE)
+        except psutil.Error:
+            return False
+
+    while time.monotonic() < deadline and any(left(p) for p in psutil.process_iter(["cmdline"])):
+        time.sleep(0.05)
+
+
 def _wait_moment(stub, kill: Kill, proc: subprocess.Popen, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and proc.poll() is None:
@@ -195,14 +216,14 @@ def run_trial(argv: list[str], out: pathlib.Path, kills: list[Kill] = (), timeou
             if kill.service == "coordinator":
                 proc.wait(60)
                 # Its services die with it (PR_SET_PDEATHSIG); the same command resumes.
-                time.sleep(2.0)
+                _wait_for_services_to_exit(out)
                 proc = start(["--load_checkpoint"])
         proc.wait(max(timeout_s - (time.monotonic() - t0), 1.0))
         for _ in crash_at:  # at most one rerun per planned crash
             if proc.returncode != -signal.SIGKILL:
                 break
             killed_at.append(time.monotonic() - t0)
-            time.sleep(2.0)  # its services die with it (PR_SET_PDEATHSIG)
+            _wait_for_services_to_exit(out)  # its services die with it (PR_SET_PDEATHSIG)
             proc = start(["--load_checkpoint"])
             proc.wait(max(timeout_s - (time.monotonic() - t0), 1.0))
     except subprocess.TimeoutExpired:
