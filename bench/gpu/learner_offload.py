@@ -37,6 +37,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
 
 import torch  # noqa: E402
 
+from bench.gpu.timing import timed_into  # noqa: E402
 from bench.shapes import QWEN25_05B  # noqa: E402
 from services.learner import host_offload  # noqa: E402
 
@@ -119,16 +120,6 @@ def offload_parts(engine) -> list[tuple[str, float, int]]:
     spent = {"gc.collect (in DeepSpeed)": 0.0, "empty_cache (in DeepSpeed)": 0.0}
     real = {"gc.collect (in DeepSpeed)": (gc, "collect", gc.collect),
             "empty_cache (in DeepSpeed)": (torch.cuda, "empty_cache", torch.cuda.empty_cache)}
-
-    def timing(name, fn):
-        def call(*args, **kwargs):
-            t0 = time.monotonic()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[name] += time.monotonic() - t0
-        return call
-
     parts = []
 
     def part(name, call):
@@ -137,7 +128,7 @@ def offload_parts(engine) -> list[tuple[str, float, int]]:
         parts.append((name, seconds, before - torch.cuda.memory_allocated()))
 
     for name, (owner, attr, fn) in real.items():
-        setattr(owner, attr, timing(name, fn))
+        setattr(owner, attr, timed_into(spent, name, fn))
     try:
         for state in host_offload._ZERO12_STATES:
             part(f"DeepSpeed {state.name}", lambda: engine.offload_states(include=(state,), pin_memory=True,

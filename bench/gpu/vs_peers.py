@@ -38,6 +38,7 @@ Prints one table per job with ratios to rlmesh and writes results.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pathlib
@@ -54,7 +55,8 @@ import time
 from dataclasses import dataclass
 from importlib import metadata
 
-import verl_peer  # this folder's module (vs_peers.py runs as a script)
+import verl_peer  # this folder's modules (vs_peers.py runs as a script)
+from timing import timed_into
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FRAMEWORKS = ("rlmesh", "trl", "openrlhf", "verl")
@@ -519,15 +521,7 @@ def run_trl(args) -> None:
     rows = load_dataset("json", data_files=str(pathlib.Path(args.scratch) / "prompts.jsonl"), split="train")
     rows = rows.map(lambda r: {"prompt": [{"role": "user", "content": r["prompt"]}]})
     phases: dict[str, float] = {}
-
-    def timed(name, fn):
-        def wrapper(*a, **kw):
-            t0 = time.monotonic()
-            try:
-                return fn(*a, **kw)
-            finally:
-                phases[name] = phases.get(name, 0.0) + time.monotonic() - t0
-        return wrapper
+    timed = functools.partial(timed_into, phases)
 
     def rule_reward(completions, label, **kwargs):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
