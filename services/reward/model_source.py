@@ -63,6 +63,14 @@ def read_tensor(model_dir: pathlib.Path, key: str) -> torch.Tensor | None:
     return None
 
 
+def warm_up_sequences(vocab_size: int, max_positions: int | None) -> list[torch.Tensor]:
+    """Two short dummy id sequences (64 and 48 tokens, fewer for a model with fewer positions) for the
+    one forward pass a model on a GPU runs as it loads: the first forward on a device loads its
+    kernels and sets up cuBLAS (seconds), which would otherwise fall in the first step's scoring."""
+    n = min(64, max_positions or 64)
+    return [torch.arange(n) % vocab_size, torch.arange(n - n // 4) % vocab_size]
+
+
 def pad_right(seqs: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """1-D id tensors -> input_ids (B, T) padded on the right with pad_id, attention_mask (B, T)."""
     width = max(len(s) for s in seqs)
@@ -114,10 +122,7 @@ class RewardModel:
         self.has_norm_stats = hasattr(config, "mean") and hasattr(config, "std")
         self._lock = threading.Lock()
         if self.device.type == "cuda":
-            # The first forward on a GPU loads its kernels and sets up cuBLAS (seconds): done here, not
-            # in the first step's scoring.
-            vocab, n = int(getattr(config, "vocab_size", 2) or 2), min(64, self.max_positions or 64)
-            self.scores([torch.arange(n) % vocab, torch.arange(n - n // 4) % vocab])
+            self.scores(warm_up_sequences(int(getattr(config, "vocab_size", 2) or 2), self.max_positions))
 
     @torch.inference_mode()
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ import transformers
 
 from services.common.config import ConfigError
 from services.common.logprobs import sequence_logprobs
-from services.reward.model_source import pad_right, resolve_device, resolve_dtype
+from services.reward.model_source import pad_right, resolve_device, resolve_dtype, warm_up_sequences
 
 
 class ReferenceModel:
@@ -37,11 +37,8 @@ class ReferenceModel:
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self._lock = threading.Lock()
         if self.device.type == "cuda":
-            # The first forward on a GPU loads its kernels and sets up cuBLAS (seconds): done here, not
-            # in the first step's scoring.
-            n = min(64, self.max_positions or 64)
-            self.response_logprobs([torch.arange(n) % self.vocab_size, torch.arange(n - n // 4) % self.vocab_size],
-                                   [n // 2, (n - n // 4) // 2], 1.0)
+            seqs = warm_up_sequences(self.vocab_size, self.max_positions)
+            self.response_logprobs(seqs, [len(s) // 2 for s in seqs], 1.0)
 
     def describe(self) -> str:
         return f"{self.path} ({self.dtype}, {self.device})"
