@@ -10,6 +10,9 @@ Settings that differ from the other frameworks (for the README):
   - Attention: sdpa and no sample packing (actor_rollout_ref.model.use_remove_padding=False), padded
     micro-batches like OpenRLHF. veRL's default is flash_attention_2 with padding removal, which needs
     the flash-attn package (no wheel for the GPU machine's torch 2.11); rlmesh packs samples.
+  - Micro-batches: token-budgeted (actor.use_dynamic_bsz, up to 16,384 tokens per micro-batch for the
+    update and the old log-probs), as rlmesh's --use_dynamic_batch --train_max_tokens_per_gpu 16384 and
+    as veRL's performance-tuning guide advises; TRL and OpenRLHF take 32 samples per micro-batch.
   - Learner: FSDP (FULL_SHARD of one rank) with fp32 master parameters and bf16 compute (veRL's
     model_dtype fp32 + mixed precision), plain torch AdamW; rlmesh and OpenRLHF use DeepSpeed ZeRO-2
     bf16, TRL plain torch AdamW. FSDP's own torch.compile of the log-prob/entropy helpers stays on
@@ -47,6 +50,7 @@ import re
 import sys
 
 SAMPLES_PER_PROMPT, LEARNING_RATE, PROMPT_MAX_LEN = 8, 1e-6, 64  # as in vs_peers.py
+TOKENS_PER_MICRO_BATCH = 16384  # rlmesh's --train_max_tokens_per_gpu in vs_peers.py
 DATA_SOURCE = "arith"
 
 REWARD_FILE = '''"""veRL's side of the rule reward shared by the frameworks: 1 when the label's digits appear in the response."""
@@ -93,13 +97,15 @@ def verl_command(job, model, paths, work: pathlib.Path, scratch: pathlib.Path, a
         A + "fsdp_config.param_offload": False, A + "fsdp_config.optimizer_offload": False,
         A + "optim.lr": LEARNING_RATE, A + "optim.lr_warmup_steps_ratio": 0,
         A + "optim.lr_scheduler_type": "constant", A + "optim.weight_decay": 0.0,
-        A + "ppo_mini_batch_size": args.prompts_per_step, A + "ppo_micro_batch_size_per_gpu": args.micro_batch,
-        A + "ppo_epochs": 1, A + "use_dynamic_bsz": False, A + "use_kl_loss": False, A + "entropy_coeff": 0,
+        A + "ppo_mini_batch_size": args.prompts_per_step, A + "ppo_epochs": 1,
+        # token-budgeted micro-batches (veRL's performance-tuning advice), the budget rlmesh's command gets
+        A + "use_dynamic_bsz": True, A + "ppo_max_token_len_per_gpu": TOKENS_PER_MICRO_BATCH,
+        A + "use_kl_loss": False, A + "entropy_coeff": 0,
         R + "name": "vllm", R + "mode": "async", R + "n": SAMPLES_PER_PROMPT, R + "temperature": 1.0,
         R + "tensor_model_parallel_size": 1, R + "gpu_memory_utilization": args.gpu_memory_utilization,
         # veRL's hybrid-engine default: vLLM sleeps (weights and KV cache freed) while FSDP trains
         R + "free_cache_engine": True,
-        R + "log_prob_micro_batch_size_per_gpu": args.micro_batch,
+        R + "log_prob_use_dynamic_bsz": True, R + "log_prob_max_token_len_per_gpu": TOKENS_PER_MICRO_BATCH,
         R + "max_model_len": PROMPT_MAX_LEN + job.max_tokens,
         R + "max_num_seqs": 512, R + "max_num_batched_tokens": 4096,  # rlmesh's and TRL's values
         "reward.custom_reward_function.path": paths["verl_reward"],

@@ -395,7 +395,8 @@ def run_one(framework: str, job: Job, paths, out: pathlib.Path, args, time_left:
         t0, t1 = steps[0]["t_end"], steps[-1]["t_end"]
         window = [u for t, u, _ in samples if t0 <= t <= t1]
         result["gpu_busy"] = statistics.fmean(window) / 100 if window else None
-        result["gpu_trace"] = [(round(t, 2), u) for t, u, _ in samples if t0 - 5 <= t <= t1]
+    # the whole run, for bench/gpu/plot_timeline.py: (seconds from the start, utilization %, memory GiB)
+    result["gpu_trace"] = [(round(t, 2), u, round(m / 1024, 2)) for t, u, m in samples]
     result.update(summarize(framework, steps, args.prompts_per_step * SAMPLES_PER_PROMPT))
     if framework == "rlmesh" and samples:
         result["rlmesh_timeline"] = rlmesh_timeline(steps, samples)
@@ -419,6 +420,7 @@ def rlmesh_timeline(steps: list[dict], samples: list[tuple[float, float, float]]
     metrics, the learner's offload is in it)."""
     seconds: dict[str, list[float]] = {}
     busy: dict[str, list[float]] = {}
+    phase_windows: list[tuple[str, float, float]] = []
     for before, row in zip(steps, steps[1:]):
         t = before["t_end"]
         windows = []
@@ -426,12 +428,14 @@ def rlmesh_timeline(steps: list[dict], samples: list[tuple[float, float, float]]
             windows.append((phase, t, t + d))
             t += d
         windows.append(("between", t, row["t_end"]))
+        phase_windows.extend((phase, round(t0, 2), round(t1, 2)) for phase, t0, t1 in windows)
         for phase, t0, t1 in windows:
             seconds.setdefault(phase, []).append(max(t1 - t0, 0.0))
             util = [u for ts, u, _ in samples if t0 <= ts < t1]
             if util:
                 busy.setdefault(phase, []).append(statistics.fmean(util) / 100)
-    return {"seconds_per_step": seconds, "gpu_busy_median": {p: statistics.median(v) for p, v in busy.items()}}
+    return {"seconds_per_step": seconds, "gpu_busy_median": {p: statistics.median(v) for p, v in busy.items()},
+            "windows": phase_windows}
 
 
 def clear_gpu(wait_s: float = 30.0) -> list[str]:
