@@ -40,6 +40,7 @@ def plot(results: dict, job: str, out: pathlib.Path) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     runs = runs_of(results, job)
@@ -67,11 +68,12 @@ def plot(results: dict, job: str, out: pathlib.Path) -> list[str]:
             title += f", {run['gpu_busy']:.0%} busy over steps 2..N"
         ax.set_title(title, fontsize=10)
         ax.set_xlim(0, t[-1])
-        if drawn and run["framework"] == "rlmesh":
-            handles = [Patch(color=PHASE_COLOURS.get(p, "grey"), alpha=0.3, label=p) for p in drawn]
-            ax.legend(handles=handles, loc="upper left", fontsize=7, ncol=len(handles))
     axes[-1, 0].set_xlabel("seconds from the run's start (dashed: step ends)")
-    fig.tight_layout()
+    handles = [Line2D([], [], color="black", linewidth=0.7, label="GPU busy %"),
+               Line2D([], [], color="tab:brown", linewidth=1.2, label="memory used GiB")]
+    handles += [Patch(color=PHASE_COLOURS.get(p, "grey"), alpha=0.3, label=f"rlmesh {p}") for p in drawn]
+    fig.legend(handles=handles, loc="lower center", fontsize=8, ncol=min(len(handles), 6), frameon=False)
+    fig.tight_layout(rect=(0, 0.05 + 0.02 * (len(handles) > 6), 1, 1))
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return drawn

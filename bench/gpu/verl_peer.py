@@ -10,9 +10,9 @@ Settings that differ from the other frameworks (for the README):
   - Attention: sdpa and no sample packing (actor_rollout_ref.model.use_remove_padding=False), padded
     micro-batches like OpenRLHF. veRL's default is flash_attention_2 with padding removal, which needs
     the flash-attn package (no wheel for the GPU machine's torch 2.11); rlmesh packs samples.
-  - Micro-batches: token-budgeted (actor.use_dynamic_bsz, up to 16,384 tokens per micro-batch for the
-    update and the old log-probs), as rlmesh's --use_dynamic_batch --train_max_tokens_per_gpu 16384 and
-    as veRL's performance-tuning guide advises; TRL and OpenRLHF take 32 samples per micro-batch.
+  - Micro-batches: token-budgeted (actor.use_dynamic_bsz) for the update and the old log-probs, with
+    rlmesh's budget (vs_peers.Job.micro_batch_tokens: the tokens of 32 full-length samples, 18,432 on job A,
+    34,816 on job B), as veRL's performance-tuning guide advises; TRL and OpenRLHF take 32 samples per micro-batch.
   - Learner: FSDP (FULL_SHARD of one rank) with fp32 master parameters and bf16 compute (veRL's
     model_dtype fp32 + mixed precision), plain torch AdamW; rlmesh and OpenRLHF use DeepSpeed ZeRO-2
     bf16, TRL plain torch AdamW. FSDP's own torch.compile of the log-prob/entropy helpers stays on
@@ -50,7 +50,6 @@ import re
 import sys
 
 SAMPLES_PER_PROMPT, LEARNING_RATE, PROMPT_MAX_LEN = 8, 1e-6, 64  # as in vs_peers.py
-TOKENS_PER_MICRO_BATCH = 16384  # rlmesh's --train_max_tokens_per_gpu in vs_peers.py
 DATA_SOURCE = "arith"
 
 REWARD_FILE = '''"""veRL's side of the rule reward shared by the frameworks: 1 when the label's digits appear in the response."""
@@ -99,13 +98,13 @@ def verl_command(job, model, paths, work: pathlib.Path, scratch: pathlib.Path, a
         A + "optim.lr_scheduler_type": "constant", A + "optim.weight_decay": 0.0,
         A + "ppo_mini_batch_size": args.prompts_per_step, A + "ppo_epochs": 1,
         # token-budgeted micro-batches (veRL's performance-tuning advice), the budget rlmesh's command gets
-        A + "use_dynamic_bsz": True, A + "ppo_max_token_len_per_gpu": TOKENS_PER_MICRO_BATCH,
+        A + "use_dynamic_bsz": True, A + "ppo_max_token_len_per_gpu": job.micro_batch_tokens,
         A + "use_kl_loss": False, A + "entropy_coeff": 0,
         R + "name": "vllm", R + "mode": "async", R + "n": SAMPLES_PER_PROMPT, R + "temperature": 1.0,
         R + "tensor_model_parallel_size": 1, R + "gpu_memory_utilization": args.gpu_memory_utilization,
         # veRL's hybrid-engine default: vLLM sleeps (weights and KV cache freed) while FSDP trains
         R + "free_cache_engine": True,
-        R + "log_prob_use_dynamic_bsz": True, R + "log_prob_max_token_len_per_gpu": TOKENS_PER_MICRO_BATCH,
+        R + "log_prob_use_dynamic_bsz": True, R + "log_prob_max_token_len_per_gpu": job.micro_batch_tokens,
         R + "max_model_len": PROMPT_MAX_LEN + job.max_tokens,
         R + "max_num_seqs": 512, R + "max_num_batched_tokens": 4096,  # rlmesh's and TRL's values
         "reward.custom_reward_function.path": paths["verl_reward"],

@@ -8,7 +8,8 @@ Stage the packages first (bench/gpu/stage_peers.sh). Every framework runs the sa
 model, colocated on one GPU with vLLM sleeping between generations:
   - rlmesh: `rlmesh train` with --colocate_all_models --vllm_enable_sleep --deepspeed_enable_sleep
     (weights pushed over CUDA IPC), DeepSpeed ZeRO-2 bf16, --packing_samples (varlen attention),
-    --use_dynamic_batch (micro-batches of up to 16,384 tokens);
+    --use_dynamic_batch (micro-batches of up to 32 full-length samples' tokens: 18,432 on A, 34,816 on B),
+    two vLLM engines sharing the GPU and the others' memory share (--rlmesh_engines);
   - TRL: GRPOTrainer with use_vllm, vllm_mode="colocate", vllm_enable_sleep_mode (plain torch AdamW);
   - OpenRLHF: train_ppo_ray --train.colocate_all --vllm.enable_sleep --ds.enable_sleep, ZeRO-2 bf16,
     sdpa attention, no sample packing (its packing needs the flash-attn package, which has no wheel
@@ -20,7 +21,7 @@ model, colocated on one GPU with vLLM sleeping between generations:
 The job: a random Qwen2 with Qwen2.5-0.5B's layers and the project's ~660-token tokenizer
 (services/common/tiny.py, size qwen2.5-0.5b), bf16; 64 arithmetic prompts x 8 samples per step;
 a rule reward (1 when the label's digits appear in the response); no KL, no reference model;
-one optimizer step per 512 samples in micro-batches of 32 (rlmesh: up to 16,384 tokens) with gradient
+one optimizer step per 512 samples in micro-batches of 32 (rlmesh, veRL: up to 32 x the longest) with gradient
 checkpointing; lr 1e-6.
   A: responses of up to 512 tokens (the random model ends one when it samples an end token).
   B: responses of 1,024 tokens, all of them: a copy of the model whose end tokens can never be
@@ -97,10 +98,15 @@ class Job:
     name: str
     max_tokens: int
     eos: bool  # False: the end tokens are never sampled, every response runs to max_tokens
+    # token budget of a micro-batch where a framework sizes them by tokens (rlmesh, veRL): what the
+    # others' fixed micro-batch holds at full length (A: 32 x 576, B: 32 x 1,088), at least 16,384
+    micro_batch_tokens: int = 16384
 
 
 def jobs_of(args) -> dict[str, Job]:
-    return {"A": Job("A", args.max_tokens[0], True), "B": Job("B", args.max_tokens[1], False)}
+    tokens = lambda max_tokens: max(16384, args.micro_batch * (PROMPT_MAX_LEN + max_tokens))  # noqa: E731
+    return {"A": Job("A", args.max_tokens[0], True, tokens(args.max_tokens[0])),
+            "B": Job("B", args.max_tokens[1], False, tokens(args.max_tokens[1]))}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -122,6 +128,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts_per_step", type=int, default=64, help="prompts per step (x 8 samples = one optimizer step)")
     p.add_argument("--micro_batch", type=int, default=32, help="samples per forward/backward")
     p.add_argument("--size", default="qwen2.5-0.5b", help="services/common/tiny.py model size (tiny: a CPU check)")
+    p.add_argument("--rlmesh_engines", type=int, default=2,
+                   help="rlmesh's vLLM engines on the GPU (--vllm_num_engines), each with 1/N of --gpu_memory_utilization")
     p.add_argument("--rlmesh_args", default="", help="options added to rlmesh's command (one string), e.g. "
                    "\"--use_dynamic_batch --train_max_tokens_per_gpu 16384\"")
     p.add_argument("--dry_run", action="store_true", help="build the model, data and commands, print them, run nothing")
@@ -224,9 +232,11 @@ def rlmesh_command(job: Job, model, paths, work: pathlib.Path, scratch: pathlib.
             "--prompt_max_len", str(PROMPT_MAX_LEN), "--generate_max_len", str(job.max_tokens),
             "--temperature", "1.0", "--init_kl_coef", "0", "--actor_learning_rate", str(LEARNING_RATE),
             "--lr_warmup_ratio", "0", "--lr_scheduler", "constant_with_warmup", "--zero_stage", "2", "--bf16",
-            "--gradient_checkpointing", "--packing_samples", "--use_dynamic_batch", "--train_max_tokens_per_gpu", "16384",
+            "--gradient_checkpointing", "--packing_samples", "--use_dynamic_batch", "--train_max_tokens_per_gpu", str(job.micro_batch_tokens),
             "--colocate_all_models", "--vllm_enable_sleep", "--deepspeed_enable_sleep", "--vllm_sync_backend", "ipc",
-            "--vllm_gpu_memory_utilization", str(args.gpu_memory_utilization),
+            # --rlmesh_engines engines share the GPU and, together, the others' share of its memory
+            "--vllm_num_engines", str(args.rlmesh_engines),
+            "--vllm_gpu_memory_utilization", f"{args.gpu_memory_utilization / args.rlmesh_engines:.4g}",
             "--vllm_max_num_seqs", "512", "--vllm_max_num_batched_tokens", "4096",  # TRL's fixed values
             "--run_dir", str(work / "run"), "--ckpt_path", str(scratch / "ckpt"), "--save_path", str(scratch / "final"),
             "--disable_ds_ckpt", "--metrics_port", "-1", "--no-progress_bar", "--seed", "42", *shlex.split(args.rlmesh_args)]
@@ -607,7 +617,8 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     info = {"date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "versions": versions(), "steps": args.steps,
-            "gpu_memory_utilization": args.gpu_memory_utilization, "rlmesh_args": args.rlmesh_args}
+            "gpu_memory_utilization": args.gpu_memory_utilization, "rlmesh_engines": args.rlmesh_engines,
+            "rlmesh_args": args.rlmesh_args}
     print(json.dumps(info, indent=1), flush=True)
     scratch = pathlib.Path(args.scratch).resolve()
     scratch.mkdir(parents=True, exist_ok=True)

@@ -63,8 +63,6 @@ def warm_up(rank) -> float:
         rank.actor_outputs(mb, 1.0, want_entropy=False)
         if rank.critic is not None:
             rank.values({"micro_batches": [samples], "passes": 1, "temperature": 1.0})
-        # Triton specialises the kernel on whether its row count divides by 16: one bucket of each.
-        for rows in (64, 65):
-            weights.bucket_sums(torch.zeros(rows * weights.ALIGN_BYTES, dtype=torch.uint8, device=rank.device), [])
+        weights.warm_up_bucket_sums(rank.device)
     torch.cuda.synchronize(rank.device)
     return time.monotonic() - t0

@@ -15,7 +15,7 @@ import gc
 
 import torch
 
-from services.common.weights import LoraAdapter
+from services.common.weights import LoraAdapter, warm_up_bucket_sums
 from services.rollout.adapters import CheckpointWeights, adapter_weights, checkpoint_with_adapter
 from services.rollout.weight_receiver import WeightReceiver, chunk_from_wire
 
@@ -32,11 +32,14 @@ class RolloutWorkerExtension:
 
     def rlmesh_open_weight_group(self, backend: str, master_address: str, master_port: int, world_size: int,
                                  rank_offset: int, group_name: str, timeout_s: float) -> int:
-        """Joins the push group as rank_offset + this worker's rank; returns that rank (-1 for ipc)."""
+        """Joins the push group as rank_offset + this worker's rank; returns that rank (-1 for ipc).
+        On a GPU it also builds the push digest's kernel, which the first push would otherwise wait for."""
         receiver = self._rlmesh_receiver()
         self._rlmesh_pending = []
-        return receiver.open(backend, master_address, master_port, world_size, rank_offset + self.rank,
+        rank = receiver.open(backend, master_address, master_port, world_size, rank_offset + self.rank,
                              group_name, timeout_s)
+        warm_up_bucket_sums(self.device)
+        return rank
 
     def rlmesh_receive_weights(self, wire_chunk: dict) -> dict[str, str]:
         """Receives one chunk and loads it into the model; returns name -> hex digest of what arrived.
