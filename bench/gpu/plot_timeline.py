@@ -72,8 +72,10 @@ def plot(results: dict, job: str, out: pathlib.Path) -> list[str]:
     handles = [Line2D([], [], color="black", linewidth=0.7, label="GPU busy %"),
                Line2D([], [], color="tab:brown", linewidth=1.2, label="memory used GiB")]
     handles += [Patch(color=PHASE_COLOURS.get(p, "grey"), alpha=0.3, label=f"rlmesh {p}") for p in drawn]
-    fig.legend(handles=handles, loc="lower center", fontsize=8, ncol=min(len(handles), 6), frameon=False)
-    fig.tight_layout(rect=(0, 0.05 + 0.02 * (len(handles) > 6), 1, 1))
+    columns = min(len(handles), 6)
+    fig.legend(handles=handles, loc="lower center", fontsize=8, ncol=columns, frameon=False)
+    legend_inches = 0.1 + 0.2 * -(-len(handles) // columns)  # its rows of entries, under the x label
+    fig.tight_layout(rect=(0, legend_inches / fig.get_figheight(), 1, 1))
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return drawn
