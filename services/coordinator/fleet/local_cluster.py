@@ -247,8 +247,10 @@ class LocalCluster:
         return node
 
     def _worker_port_base(self, state: ClusterState) -> int:
-        """A range of worker ports per node, below Linux's ephemeral range (where free ports come from)."""
-        return 21000 + WORKER_PORTS * len(state.nodes) + (state.port % 50) * WORKER_PORTS * 10
+        """A range of worker ports per node, below Linux's ephemeral range (32768 up: where free ports
+        come from), shifted by the head's port so that two clusters on one machine rarely share one:
+        21000 + 24 x 400 + 10 nodes x 40 = 31000 at most."""
+        return 21000 + WORKER_PORTS * len(state.nodes) + (state.port % 25) * WORKER_PORTS * 10
 
     def wait_nodes(self, count: int, timeout_s: float) -> None:
         """Until the cluster reports `count` live nodes (a joined raylet registers a moment after `ray start`)."""
