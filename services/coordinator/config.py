@@ -259,6 +259,8 @@ class CoordinatorConfig(ServerConfig):
                                          "run stops with an error naming the role, what it asks and what the "
                                          "cluster has")
     run_dir: str = opt("", "folder of metrics.jsonl, service logs and plots; empty = runs/<run name>")
+    plots: bool = opt(True, "draw the run's curves into run_dir/plots/ when it ends (`rlmesh plot RUN_DIR` "
+                      "draws them at any time)")
     progress_bar: bool = opt(True, "show a progress bar per step when stderr is a terminal")
     rpc_timeout_s: float = opt(1800.0, "deadline of the long calls (Generate, TrainActor, PushWeights)")
     scoring_retries: int = opt(4, "times a reward / reference call is sent again after its instance died "

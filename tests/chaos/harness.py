@@ -101,7 +101,8 @@ def service_env() -> dict[str, str]:
 def grpo_argv(model: pathlib.Path, data: pathlib.Path, out: pathlib.Path, engines: int = 2, steps: int = 3,
               engine: str = "hf", *extra: str) -> list[str]:
     """A small GRPO run: rule reward with the reference model (merged reward-ref process), a
-    checkpoint every step, the final model exported to out/model."""
+    checkpoint every step, the final model exported to out/model, no end-of-run plots (each run
+    would import matplotlib and draw them: a second or more of CPU)."""
     return ["--pretrain", str(model), "--prompt_data", str(data / "arith_train.jsonl"), "--input_key", "prompt",
             "--label_key", "label", "--apply_chat_template", "--reward_func", "math,format",
             "--reward_extra_args", "--format_pattern .*th.*", "--init_kl_coef", "0.01", "--use_kl_loss", "--kl_estimator", "k3",
@@ -112,7 +113,7 @@ def grpo_argv(model: pathlib.Path, data: pathlib.Path, out: pathlib.Path, engine
             "--vllm_num_engines", str(engines), "--rollout_engine", engine, "--save_steps", "1",
             "--ckpt_path", str(out / "ckpt"), "--run_dir", str(out / "run"), "--save_path", str(out / "model"),
             "--port", "0", "--ready_file", str(out / "control.json"), "--restart_backoff_s", "0.5",
-            "--rpc_timeout_s", "600", *extra]
+            "--rpc_timeout_s", "600", "--no-plots", *extra]
 
 
 def _read_jsonl(path: pathlib.Path) -> list[dict]:

@@ -144,7 +144,7 @@ def test_static_services_die_restart_scale_and_the_coordinator_resumes(tiny_mode
             "--prompt_max_len", "64", "--init_kl_coef", "0.01", "--use_kl_loss", "--kl_estimator", "k3",
             "--max_steps", str(STEPS), "--seed", "0", "--save_steps", "1", "--ckpt_path", str(tmp_path / "ckpt"),
             "--run_dir", str(run_dir), "--save_path", "", "--port", "0", "--ready_file", str(ready_file),
-            "--restart_backoff_s", "0.5", "--rpc_timeout_s", "600"]
+            "--restart_backoff_s", "0.5", "--rpc_timeout_s", "600", "--no-plots"]
     # The moments of the faults, held until the test has acted (each holds once: a restarted
     # service goes through).
     holds = Holds(tmp_path / "holds", "rollout.generate.started@rollout-0:step1",
@@ -287,7 +287,7 @@ def test_engine_restarted_between_health_checks_is_brought_back(tiny_model_dir, 
             "--train_batch_size", "16", "--micro_train_batch_size", "16", "--generate_max_len", "16",
             "--prompt_max_len", "64", "--max_steps", "3", "--seed", "0", "--run_dir", str(run_dir),
             "--save_path", "", "--disable_ds_ckpt", "--port", "0", "--ready_file", str(ready_file),
-            "--health_poll_s", "3600"]
+            "--health_poll_s", "3600", "--no-plots"]
     holds = Holds(tmp_path / "holds", "rollout.generate.started@rollout-0:step1")
     deploy.env.update(holds.env())
     coordinator = None

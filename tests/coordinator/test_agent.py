@@ -22,7 +22,7 @@ def test_faulty_agent_fails_episodes_not_the_run(tiny_model_dir, tiny_data_dir, 
             "--save_path", str(tmp_path / "model"),
             "--ckpt_path", str(tmp_path / "ckpt"), "--agent_func_path", str(AGENTS / "faulty_agent.py"),
             "--agent_timeout_s", "5", "--agent_num_workers", "4", "--agent_max_turns", "4",
-            "--rollout_engine", "hf"]  # the agent path is the engine's caller; vLLM runs it in the learning test
+            "--rollout_engine", "hf", "--no-plots"]  # the agent path is the engine's caller; vLLM runs it in the learning test
     proc = start_coordinator("services.coordinator", argv, log)
     output = finish(proc, log, timeout_s=900)
     assert proc.returncode == 0, output[-6000:]

@@ -26,7 +26,7 @@ def grpo_argv(model, data, out, *extra: str) -> list[str]:
             "--generate_max_len", "8", "--prompt_max_len", "64", "--max_steps", "4", "--seed", "0",
             "--actor_learning_rate", "1e-3", "--disable_ds_ckpt", "--run_dir", str(out / "run"),
             "--save_path", str(out / "model"),
-            "--ckpt_path", str(out / "ckpt"), "--enforce_eager", *extra]  # vLLM starts ~30 s sooner
+            "--ckpt_path", str(out / "ckpt"), "--enforce_eager", "--no-plots", *extra]  # vLLM starts ~30 s sooner
 
 
 def test_async_grpo_overlaps_generation_with_training(tiny_model_dir, tiny_data_dir, tmp_path):

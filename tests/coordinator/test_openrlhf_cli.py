@@ -398,7 +398,7 @@ def test_the_dapo_script_trains_one_step_on_cpu(local, tmp_path):
     # rlmesh's truncated IS is OpenRLHF's with a threshold of 0 below (the refusal says so).
     args = drop(args, "ckpt.path") + [
         "--algo.advantage.is_correction_threshold", "0", "5.0", "--rollout.max_new_tokens", "16", "--max_steps", "1",
-        "--run_dir", str(tmp_path / "run"), "--ckpt.path", str(tmp_path / "ckpt")]
+        "--run_dir", str(tmp_path / "run"), "--ckpt.path", str(tmp_path / "ckpt"), "--no-plots"]
     log = tmp_path / "coordinator.log"
     proc = start_coordinator("services.coordinator.train_ppo_ray", args, log)
     output = finish(proc, log, timeout_s=480)

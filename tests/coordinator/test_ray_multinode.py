@@ -88,7 +88,7 @@ def common_argv(model: pathlib.Path, data: pathlib.Path, out: pathlib.Path) -> l
             "--rollout_batch_size", "8", "--micro_rollout_batch_size", "8", "--generate_max_len", "8",
             "--prompt_max_len", "64", "--max_steps", "2", "--seed", "0", "--lr_scheduler", "constant_with_warmup",
             "--lr_warmup_ratio", "0", "--metrics_port", "-1", "--ray_placement_timeout_s", "120",
-            "--ckpt_path", str(out / "ckpt"), "--run_dir", str(out / "run"), "--save_path", str(out / "model")]
+            "--ckpt_path", str(out / "ckpt"), "--run_dir", str(out / "run"), "--save_path", str(out / "model"), "--no-plots"]
 
 
 def nodes_of(run_dir: pathlib.Path, output: str) -> dict[str, str]:

@@ -35,7 +35,7 @@ def test_function_file_gets_openrlhf_queries_and_its_batch_accuracy_is_logged(ti
             "--micro_rollout_batch_size", "8", "--train_batch_size", "16", "--micro_train_batch_size", "8",
             "--generate_max_len", "32", "--temperature", "1.0", "--init_kl_coef", "0", "--max_steps", "1",
             "--rollout_engine", "hf", "--run_dir", str(tmp_path / "run"), "--ckpt_path", str(tmp_path / "ckpt"),
-            "--save_path", ""]
+            "--save_path", "", "--no-plots"]
     log = tmp_path / "coordinator.log"
     proc = start_coordinator("services.coordinator", argv, log)
     output = finish(proc, log, timeout_s=420)

@@ -99,7 +99,7 @@ def test_attacks_on_a_tls_run_fail_and_the_run_trains(tiny_model_dir, tiny_data_
             "--run_dir", str(run_dir), "--ckpt_path", str(ckpt), "--save_path", str(tmp_path / "model"),
             "--port", "0", "--ready_file", str(tmp_path / "control.json"),
             "--tls_cert", certs["cert"], "--tls_key", certs["key"], "--tls_ca", certs["ca"],
-            "--tls_client_ca", certs["ca"]]
+            "--tls_client_ca", certs["ca"], "--no-plots"]
     log = tmp_path / "coordinator.log"
     proc = start_coordinator("services.coordinator", argv, log)
     info = wait_for_file(tmp_path / "control.json", proc, log, timeout_s=300)

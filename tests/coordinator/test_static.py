@@ -71,6 +71,7 @@ def coordinator_argv(services, model, data, tmp_path, *extra) -> list[str]:
             "--generate_max_len", "16", "--prompt_max_len", "64", "--init_kl_coef", "0.01", "--use_kl_loss",
             "--kl_estimator", "k3", "--ckpt_path", str(tmp_path / "ckpt"), "--run_dir", str(tmp_path / "run"),
             "--save_path", "", "--save_steps", "1", "--port", "0", "--ready_file", str(tmp_path / "control.json"),
+            "--no-plots",
             # DAPO: groups whose samples all score the same are dropped and refilled; long answers pay.
             "--dynamic_filtering", "--dynamic_filtering_reward_range", "0", "1",
             "--overlong_buffer_len", "4", "--overlong_penalty_factor", "0.5", *extra]

@@ -198,7 +198,7 @@ async def run(config: CoordinatorConfig) -> int:
         await runner.server.stop(1.0)
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
-    if control.metrics is not None and control.metrics.history:
+    if config.plots and control.metrics is not None and control.metrics.history:
         write_plots(run_dir, evaluated=any("eval/pass@1" in r for r in control.metrics.history))
     return code
 
