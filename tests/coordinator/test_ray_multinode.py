@@ -43,6 +43,10 @@ def cluster(tmp_path_factory):
     env = {k: v for k, v in service_env().items() if k in ("VLLM_CPU_KVCACHE_SPACE", "TOKENIZERS_PARALLELISM",
                                                           "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "DS_ACCELERATOR",
                                                           "WANDB_MODE")}
+    # The head's GCS declares a killed node dead after 3 failed health checks 1 s apart, not Ray's
+    # 5 checks 3 s apart: the tests' lost nodes are noticed ~12 s sooner. A killed raylet refuses
+    # the check at once; the timeout of a live one's answer stays Ray's (10 s on a busy machine).
+    env.update(RAY_health_check_period_ms="1000", RAY_health_check_failure_threshold="3")
     # A short folder: Ray's socket paths under it must stay within 107 bytes.
     local = LocalCluster(pathlib.Path(tempfile.mkdtemp(prefix="rlc-", dir="/tmp")), env=env)
     t0 = time.monotonic()
