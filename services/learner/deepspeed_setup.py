@@ -357,8 +357,31 @@ def make_optimizer(model: torch.nn.Module, options: DeepSpeedOptions, learning_r
     return cls(groups, lr=learning_rate, betas=betas, fused=torch.cuda.is_available())
 
 
+def _load_muon_uncompiled() -> None:
+    """deepspeed.initialize's ZeRO check imports DeepSpeed's Muon optimizer (to count it among the
+    optimizers ZeRO supports), whose module wraps its kernels in torch.compile as it loads: that
+    brings torch's compiler (dynamo, inductor, functorch) into every rank, ~1.2 s of CPU per start.
+    rlmesh trains with AdamW (Muon is refused: services/common/openrlhf_names.py) and never calls
+    them, so the module is loaded first with torch.compile a no-op (TORCHDYNAMO_DISABLE)."""
+    name = "deepspeed.runtime.zero.muon.muon_optimizer"
+    if name in sys.modules:
+        return
+    before = os.environ.get("TORCHDYNAMO_DISABLE")
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass  # a DeepSpeed without Muon: its check does without it too
+    finally:
+        if before is None:
+            os.environ.pop("TORCHDYNAMO_DISABLE", None)
+        else:
+            os.environ["TORCHDYNAMO_DISABLE"] = before
+
+
 def build_engine(model: torch.nn.Module, options: DeepSpeedOptions, ds_config: dict, learning_rate: float):
     """deepspeed.initialize with AdamW and the LR schedule; returns the DeepSpeedEngine."""
+    _load_muon_uncompiled()
     optimizer = make_optimizer(model, options, learning_rate)
     schedule = LRSchedule(options)
     engine, *_ = deepspeed.initialize(
