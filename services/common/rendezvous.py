@@ -14,8 +14,10 @@ import datetime
 import ipaddress
 import os
 import socket
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
+if TYPE_CHECKING:  # imported where a store or group is made: the Ray actors read NODE_ADDRESS_ENV only
+    import torch.distributed as dist
 
 
 # The address of this process's node, set by whoever placed it there (a Ray actor sets its node's
@@ -66,6 +68,8 @@ def gloo_on_loopback(host: str):
 def store(host: str, port: int, world_size: int, is_master: bool, timeout: datetime.timedelta) -> dist.TCPStore:
     """A TCPStore at host:port (no waiting for the workers); its master listens on host alone when
     host is a loopback address."""
+    import torch.distributed as dist
+
     if not (is_master and is_loopback(host)):
         return dist.TCPStore(host, port, world_size, is_master=is_master, timeout=timeout, wait_for_workers=False)
     address = "127.0.0.1" if host == "localhost" else host
@@ -87,6 +91,8 @@ def gloo_group(prefixed_store: dist.Store, rank: int, world_size: int, timeout: 
                host: str) -> dist.ProcessGroupGloo:
     """A gloo group whose sockets listen on loopback when the rendezvous host is a loopback address
     (this node's own one: node_address())."""
+    import torch.distributed as dist
+
     if not is_loopback(host):
         return dist.ProcessGroupGloo(prefixed_store, rank, world_size, timeout)
     options = dist.ProcessGroupGloo._Options()
