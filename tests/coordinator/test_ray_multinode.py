@@ -47,6 +47,9 @@ def cluster(tmp_path_factory):
     # 5 checks 3 s apart: the tests' lost nodes are noticed ~12 s sooner. A killed raylet refuses
     # the check at once; the timeout of a live one's answer stays Ray's (10 s on a busy machine).
     env.update(RAY_health_check_period_ms="1000", RAY_health_check_failure_threshold="3")
+    # Ray's own metrics (nothing here reads them; the services' Prometheus targets are rlmesh's):
+    # turned off, the head's dashboard agent no longer spends most of a core ingesting them.
+    env.update(RAY_enable_metrics_collection="0")
     # A short folder: Ray's socket paths under it must stay within 107 bytes.
     local = LocalCluster(pathlib.Path(tempfile.mkdtemp(prefix="rlc-", dir="/tmp")), env=env)
     t0 = time.monotonic()
