@@ -82,7 +82,7 @@ def plot(results: dict, job: str, out: pathlib.Path) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("results", help="vs_peers.py's results.json")
     p.add_argument("--job", default="A", choices=["A", "B"])
     p.add_argument("--out", default="", help="PNG path (default: timeline-<job>.png beside results.json)")
