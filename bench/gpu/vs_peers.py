@@ -100,13 +100,13 @@ class Job:
     eos: bool  # False: the end tokens are never sampled, every response runs to max_tokens
     # token budget of a micro-batch where a framework sizes them by tokens (rlmesh, veRL): what the
     # others' fixed micro-batch holds at full length (A: 32 x 576, B: 32 x 1,088), at least 16,384
-    micro_batch_tokens: int = 16384
+    micro_batch_tokens: int
 
 
 def jobs_of(args) -> dict[str, Job]:
-    tokens = lambda max_tokens: max(16384, args.micro_batch * (PROMPT_MAX_LEN + max_tokens))  # noqa: E731
-    return {"A": Job("A", args.max_tokens[0], True, tokens(args.max_tokens[0])),
-            "B": Job("B", args.max_tokens[1], False, tokens(args.max_tokens[1]))}
+    def job(name: str, max_tokens: int, eos: bool) -> Job:
+        return Job(name, max_tokens, eos, max(16384, args.micro_batch * (PROMPT_MAX_LEN + max_tokens)))
+    return {"A": job("A", args.max_tokens[0], True), "B": job("B", args.max_tokens[1], False)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
