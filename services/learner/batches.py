@@ -181,16 +181,21 @@ def plan_training(samples: list[Sample], train_batch_size: int, micro_batch_size
     return plans
 
 
-def token_micro_batches(samples: list[Sample], count: int) -> list[list[Sample]]:
-    """samples in `count` micro-batches of near-equal token counts: longest first, each into the
-    micro-batch holding the fewest tokens so far (ties: the first)."""
-    bins: list[list[Sample]] = [[] for _ in range(count)]
-    lightest = [(0, b) for b in range(count)]  # (tokens so far, micro-batch): a heap
-    for i in sorted(range(len(samples)), key=lambda i: (-samples[i].input_ids.numel(), i)):
+def _token_bins(lengths: list[int], count: int) -> list[list[int]]:
+    """Indices of `lengths` in `count` bins of near-equal sums: longest first, each into the bin
+    holding the fewest tokens so far (ties: the first). Empty bins are dropped."""
+    bins: list[list[int]] = [[] for _ in range(count)]
+    lightest = [(0, b) for b in range(count)]  # (tokens so far, bin): a heap
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         load, j = heapq.heappop(lightest)
-        bins[j].append(samples[i])
-        heapq.heappush(lightest, (load + samples[i].input_ids.numel(), j))
+        bins[j].append(i)
+        heapq.heappush(lightest, (load + lengths[i], j))
     return [b for b in bins if b]
+
+
+def token_micro_batches(samples: list[Sample], count: int) -> list[list[Sample]]:
+    """samples in `count` micro-batches of near-equal token counts (see _token_bins)."""
+    return [[samples[i] for i in b] for b in _token_bins([s.input_ids.numel() for s in samples], count)]
 
 
 def micro_batch_count(samples: list[Sample], max_tokens: int) -> int:
@@ -216,6 +221,16 @@ def forward_micro_batches(samples: list[Sample], micro_batch_size: int, world_si
     """
     order = sorted(range(len(samples)), key=lambda i: -samples[i].input_ids.numel())
     batches = [order[m:m + micro_batch_size] for m in range(0, len(order), micro_batch_size)]
+    return [batches[rank::world_size] for rank in range(world_size)]
+
+
+def token_forward_micro_batches(samples: list[Sample], max_tokens: int, world_size: int) -> list[list[list[int]]]:
+    """The micro-batches of a packed forward-only call under a token budget, as sample indices,
+    per rank: the fewest micro-batches of near-equal token counts that keep each within max_tokens
+    (a longer sample alone makes one of its own), at least one per rank while there are samples
+    enough; micro-batch j goes to rank j % world_size."""
+    count = max(micro_batch_count(samples, max_tokens), min(world_size, len(samples)))
+    batches = _token_bins([s.input_ids.numel() for s in samples], count)
     return [batches[rank::world_size] for rank in range(world_size)]
 
 

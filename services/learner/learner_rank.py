@@ -143,27 +143,36 @@ class LearnerRank:
 
     @torch.no_grad()
     def logprobs(self, payload: dict) -> list[torch.Tensor]:
-        """Per sample: (response_len,) float32 log-probs under the actor (sequence_logprobs)."""
+        """Per sample: (response_len,) float32 log-probs under the actor. Padded micro-batches go
+        through sequence_logprobs, as in the reference service (bit for bit the same); packed ones
+        through the training path (actor_outputs, --logprobs_head)."""
         self.actor.eval()
-        out: list[torch.Tensor] = []
-        for chunk, filler in self._forward_passes(payload["micro_batches"], payload["passes"]):
-            mb = collate(chunk).to(self.device)
+        packed = payload.get("packed", False)
+
+        def forward(mb: MicroBatch) -> torch.Tensor:
+            if packed:
+                return self.actor_outputs(mb, payload["temperature"], want_entropy=False)[0]
             lp = sequence_logprobs(self.actor, mb.input_ids, mb.attention_mask, payload["temperature"])
-            if not filler:
-                out += ragged_rows(lp.reshape(-1)[mb.out_index].cpu(), chunk)
-        return out
+            return lp.reshape(-1)[mb.out_index]
+
+        return self._forward_rows(payload, forward)
 
     @torch.no_grad()
     def values(self, payload: dict) -> list[torch.Tensor]:
         """Per sample: (response_len,) float32 critic values (value of the state before each token)."""
         self.critic.eval()
-        out: list[torch.Tensor] = []
+        return self._forward_rows(payload, self._critic_values)
+
+    def _forward_rows(self, payload: dict, forward: Callable[[MicroBatch], torch.Tensor]) -> list[torch.Tensor]:
+        """forward(mb) -> (B, R) over the payload's micro-batches, read back to the host once at the
+        end (the passes queue on the device without a sync between them)."""
+        results = []
         for chunk, filler in self._forward_passes(payload["micro_batches"], payload["passes"]):
-            mb = collate(chunk).to(self.device)
-            values = self._critic_values(mb)
+            mb = collate(chunk, packed=payload.get("packed", False)).to(self.device)
+            out = forward(mb)
             if not filler:
-                out += ragged_rows(values.cpu(), chunk)
-        return out
+                results.append((out.float(), chunk))
+        return [row for out, chunk in results for row in ragged_rows(out.cpu(), chunk)]
 
     def _critic_values(self, mb: MicroBatch) -> torch.Tensor:
         """(B, R) float32 values at the response positions."""

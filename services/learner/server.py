@@ -22,7 +22,13 @@ from services.common.log import get_logger, log_event
 from services.common.tensors import ragged_to_proto
 from services.common import ownership
 from services.learner import checkpoint, universal
-from services.learner.batches import decode_experience, decode_sequences, forward_micro_batches, plan_training
+from services.learner.batches import (
+    decode_experience,
+    decode_sequences,
+    forward_micro_batches,
+    plan_training,
+    token_forward_micro_batches,
+)
 from services.learner.config import LearnerConfig
 from services.learner.learner_rank import LearnerRank
 from services.learner.spmd import GroupError, RankGroupDriver
@@ -46,6 +52,9 @@ OPTIMIZER_STEPS = prometheus_client.Counter("rlmesh_learner_optimizer_steps_tota
                                             ["model"])
 MICRO_BATCHES = prometheus_client.Counter("rlmesh_learner_micro_batches_total",
                                           "Forward/backward passes of training, over all ranks", ["model"])
+FORWARD_PASSES = prometheus_client.Counter("rlmesh_learner_forward_passes_total",
+                                           "Forward passes of LogProbs and Values (micro-batches), over all ranks",
+                                           ["method"])
 SKIPPED_STEPS = prometheus_client.Counter("rlmesh_learner_skipped_steps_total",
                                           "Optimizer steps skipped: non-finite loss or gradient", ["model"])
 POLICY_LOSS = prometheus_client.Gauge("rlmesh_learner_policy_loss", "Policy loss of the last TrainActor call")
@@ -176,19 +185,26 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
     # Forward passes
 
     def _forward_payloads(self, request, temperature: float | None) -> tuple[list, list, int]:
-        """Per rank: its micro-batches of the request's samples; and where each result row belongs."""
+        """Per rank: its micro-batches of the request's samples; and where each result row belongs.
+        Padded (the reference service's layout), or packed when the request asks (LogProbsRequest.packed)."""
         samples = decode_sequences(request.input_ids, request.response_start, self.rank0.vocab_size,
                                    self.rank0.max_len)
-        layout = forward_micro_batches(samples, self.config.micro_forward_batch_size, self.world)
+        cfg = self.config
+        if request.packed and cfg.use_dynamic_batch:
+            layout = token_forward_micro_batches(samples, cfg.train_max_tokens_per_gpu, self.world)
+        else:
+            layout = forward_micro_batches(samples, cfg.micro_forward_batch_size, self.world)
         most = max(len(batches) for batches in layout)
         payloads = [{"micro_batches": [[samples[i] for i in mb] for mb in batches],
                      # ZeRO-3 gathers parameters collectively in every forward: all ranks run as many.
-                     "passes": most if self.config.zero_stage == 3 else len(batches),
-                     "temperature": temperature} for batches in layout]
+                     "passes": most if cfg.zero_stage == 3 else len(batches),
+                     "packed": request.packed, "temperature": temperature} for batches in layout]
         return payloads, layout, len(samples)
 
     @staticmethod
-    def _in_request_order(results: list, layout: list, count: int) -> list:
+    def _in_request_order(method: str, results: list, layout: list, count: int) -> list:
+        """The ranks' result rows in request order; counts the call's passes."""
+        FORWARD_PASSES.labels(method).inc(sum(len(batches) for batches in layout))
         rows: list = [None] * count
         for rank_rows, batches in zip(results, layout):
             indices = [i for mb in batches for i in mb]
@@ -201,7 +217,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         with self._timed("LogProbs"):
             temperature = _temperature("temperature", request.temperature)
             payloads, layout, count = self._forward_payloads(request, temperature)
-            rows = self._in_request_order(await self._run("logprobs", payloads), layout, count)
+            rows = self._in_request_order("LogProbs", await self._run("logprobs", payloads), layout, count)
             return learner_pb2.LogProbsResponse(logprobs=ragged_to_proto(rows, dtype=torch.float32),
                                                 actor_global_step=int(self.rank0.actor.global_steps))
 
@@ -210,7 +226,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         with self._timed("Values"):
             self._require_critic("Values")
             payloads, layout, count = self._forward_payloads(request, None)
-            rows = self._in_request_order(await self._run("values", payloads), layout, count)
+            rows = self._in_request_order("Values", await self._run("values", payloads), layout, count)
             return learner_pb2.ValuesResponse(values=ragged_to_proto(rows, dtype=torch.float32),
                                               critic_global_step=int(self.rank0.critic.global_steps))
 

@@ -122,9 +122,9 @@ def response_lengths(seqs, starts) -> list[int]:
     return [len(s) - int(st) for s, st in zip(seqs, starts)]
 
 
-def logprobs(stub, seqs, starts, temperature: float = 0.0) -> list[torch.Tensor]:
+def logprobs(stub, seqs, starts, temperature: float = 0.0, packed: bool = False) -> list[torch.Tensor]:
     r = stub.LogProbs(pb.LogProbsRequest(input_ids=ragged_to_proto(seqs), response_start=to_proto(starts),
-                                         temperature=temperature), timeout=120)
+                                         temperature=temperature, packed=packed), timeout=120)
     return ragged_from_proto(r.logprobs)
 
 

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from services.common.logprobs import token_logprobs
 from services.common import ownership
 from services.learner import checkpoint
-from services.learner.batches import Sample, collate, plan_training
+from services.learner.batches import Sample, collate, forward_micro_batches, plan_training, token_forward_micro_batches
 from services.learner.deepspeed_setup import lr_multiplier
 from services.learner.logprob_head import forward_micro_batch
 from services.learner.spmd import RankFailure, read_store_message, resolve_rank_spec, store_message
@@ -230,3 +230,27 @@ def test_dynamic_plan_fills_micro_batches_by_tokens_with_equal_counts_per_rank()
     shares = [[s for mb in plans[r][k].micro_batches for s in mb] for r in range(2) for k in range(2)]
     assert any(len(share) > 0 and max(s.input_ids.numel() for s in share) == 250 for share in shares)
     assert plans == plan_training(samples, 16, 2, 2, 1, seed=1, max_tokens=budget)  # deterministic
+
+
+def test_packed_forward_passes_fill_a_token_budget_and_cover_every_sample_once():
+    g = torch.Generator().manual_seed(5)
+    samples = [Sample(torch.randint(4, 600, (int(n),), generator=g), 2, {})
+               for n in torch.randint(5, 60, (40,), generator=g)]
+    samples[3] = Sample(torch.randint(4, 600, (250,), generator=g), 2, {})  # longer than the budget
+    budget = 200
+    layout = token_forward_micro_batches(samples, budget, world_size=2)
+    indices = [i for rank in layout for mb in rank for i in mb]
+    assert sorted(indices) == list(range(40))
+    for rank in layout:
+        assert all(len(mb) == 1 or sum(samples[i].input_ids.numel() for i in mb) <= budget for mb in rank)
+    total = sum(s.input_ids.numel() for s in samples)
+    passes = sum(len(rank) for rank in layout)
+    # Near-full passes: no more than one over the fewest the budget allows (plus the long one's own).
+    assert passes <= -(-total // budget) + 2
+    assert abs(len(layout[0]) - len(layout[1])) <= 1
+    # A budget that holds them all: one pass per rank, whatever a padded layout would take.
+    assert [len(rank) for rank in token_forward_micro_batches(samples, 10_000, 2)] == [1, 1]
+    assert sum(len(rank) for rank in forward_micro_batches(samples, 8, 2)) == 5
+    # Every rank gets a pass while there are samples enough; one sample leaves the other rank none.
+    assert [len(rank) for rank in token_forward_micro_batches(samples[:2], 10_000, 2)] == [1, 1]
+    assert [len(rank) for rank in token_forward_micro_batches(samples[:1], 10_000, 2)] == [1, 0]

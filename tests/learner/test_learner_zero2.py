@@ -101,11 +101,15 @@ def test_logprobs_equal_a_plain_transformers_forward(learner, plain_model, tmp_p
     # The reference role batches the same way: the two services agree bit for bit.
     reference = ReferenceModel(str(tmp_path / "export"), device="cpu", dtype="fp32", micro_batch_size=MICRO_FORWARD)
     assert all(torch.equal(g, r) for g, r in zip(got, reference.response_logprobs(seqs, starts.tolist(), 0.7)))
-    # And against one unpadded forward per sample (padding may move the last bits only).
+    # And against one unpadded forward per sample (padding may move the last bits only); packed
+    # passes (the training layout, its fused head) agree with it to rounding too.
+    packed = logprobs(learner.stub, seqs, starts, 0.7, packed=True)
     with torch.no_grad():
-        for g, s, st in zip(got, seqs, starts):
+        for g, p, s, st in zip(got, packed, seqs, starts):
             alone = torch.log_softmax(current(s[None]).logits[0, :-1].float() / 0.7, -1)
-            torch.testing.assert_close(g, alone.gather(-1, s[1:, None])[:, 0][st - 1:], atol=1e-5, rtol=0)
+            alone = alone.gather(-1, s[1:, None])[:, 0][st - 1:]
+            torch.testing.assert_close(g, alone, atol=1e-5, rtol=0)
+            torch.testing.assert_close(p, alone, atol=1e-5, rtol=0)
 
 
 def _status(call, *args) -> grpc.RpcError:
@@ -214,6 +218,11 @@ def test_critic_training_lowers_the_value_loss(learner, plain_model):
     request = pb.ValuesRequest(input_ids=ragged_to_proto(seqs), response_start=to_proto(starts))
     old_values = ragged_from_proto(stub.Values(request, timeout=60).values)
     assert [v.numel() for v in old_values] == response_lengths(seqs, starts)
+    packed = ragged_from_proto(stub.Values(pb.ValuesRequest(input_ids=ragged_to_proto(seqs),
+                                                            response_start=to_proto(starts), packed=True),
+                                           timeout=60).values)
+    for p, v in zip(packed, old_values):
+        torch.testing.assert_close(p, v, atol=1e-5, rtol=0)
     returns = [torch.full((n,), 0.75) for n in response_lengths(seqs, starts)]
     batch = experience(seqs, starts, returns=returns, old_values=old_values)
     losses = [stub.TrainCritic(pb.TrainCriticRequest(batch=batch, shuffle_seed=i, value_clip=0.0),

@@ -67,14 +67,19 @@ class SampleCalls:
         input_ids = ragged_to_proto(sequences, torch.int32)
         response_start = to_proto(torch.tensor(starts, dtype=torch.int64))
         request_id = f"step{self.step}"
+        # Packed passes (the training layout) unless a reference model's log-probs are compared with
+        # these: the reference service batches padded, and the same padded batches agree bit for bit.
+        packed = cfg.packing_samples and not self.use_ref
         calls: list[Awaitable] = [self._timed("logprobs", self.learner.LogProbs(learner_pb2.LogProbsRequest(
-            input_ids=input_ids, response_start=response_start, temperature=cfg.temperature, request_id=request_id)))]
+            input_ids=input_ids, response_start=response_start, temperature=cfg.temperature, request_id=request_id,
+            packed=packed)))]
         if self.use_ref:
             calls.append(self._timed("ref_logprobs", self.references.call(
                 lambda c: c.ref_logprobs(sequences, starts, cfg.temperature, request_id))))
         if self.use_critic:
             calls.append(self._timed("values", self.learner.Values(learner_pb2.ValuesRequest(
-                input_ids=input_ids, response_start=response_start, request_id=request_id))))
+                input_ids=input_ids, response_start=response_start, request_id=request_id,
+                packed=cfg.packing_samples))))
         results = await gather_or_cancel(calls)
         old = ragged_from_proto(results[0].logprobs, "LogProbs.logprobs")
         ref = results[1] if self.use_ref else None

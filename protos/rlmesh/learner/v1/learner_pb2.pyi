@@ -81,16 +81,18 @@ class GetInfoResponse(_message.Message):
     def __init__(self, pretrain: _Optional[str] = ..., critic_pretrain: _Optional[str] = ..., world_size: _Optional[int] = ..., zero_stage: _Optional[int] = ..., dtype: _Optional[str] = ..., train_batch_size: _Optional[int] = ..., micro_train_batch_size: _Optional[int] = ..., actor_global_step: _Optional[int] = ..., critic_global_step: _Optional[int] = ..., weight_version: _Optional[int] = ..., actor_num_parameters: _Optional[int] = ..., critic_num_parameters: _Optional[int] = ..., offloaded: _Optional[bool] = ..., rank0_host: _Optional[str] = ..., dist_backend: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class LogProbsRequest(_message.Message):
-    __slots__ = ("input_ids", "response_start", "temperature", "request_id")
+    __slots__ = ("input_ids", "response_start", "temperature", "request_id", "packed")
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_START_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     input_ids: _common_pb2.RaggedTensor
     response_start: _common_pb2.Tensor
     temperature: float
     request_id: str
-    def __init__(self, input_ids: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., response_start: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
+    packed: bool
+    def __init__(self, input_ids: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., response_start: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[float] = ..., request_id: _Optional[str] = ..., packed: _Optional[bool] = ...) -> None: ...
 
 class LogProbsResponse(_message.Message):
     __slots__ = ("logprobs", "actor_global_step")
@@ -101,14 +103,16 @@ class LogProbsResponse(_message.Message):
     def __init__(self, logprobs: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., actor_global_step: _Optional[int] = ...) -> None: ...
 
 class ValuesRequest(_message.Message):
-    __slots__ = ("input_ids", "response_start", "request_id")
+    __slots__ = ("input_ids", "response_start", "request_id", "packed")
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_START_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     input_ids: _common_pb2.RaggedTensor
     response_start: _common_pb2.Tensor
     request_id: str
-    def __init__(self, input_ids: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., response_start: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    packed: bool
+    def __init__(self, input_ids: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., response_start: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., request_id: _Optional[str] = ..., packed: _Optional[bool] = ...) -> None: ...
 
 class ValuesResponse(_message.Message):
     __slots__ = ("values", "critic_global_step")
