@@ -136,10 +136,15 @@ class WeightSync:
                     await requests.put(None)
         except grpc.aio.AioRpcError as exc:
             # An engine usually fails because the sender did: report the learner's own error first.
+            # The request stream ends here: a learner that sent its chunk and waits for the ack ends
+            # the call at once (INVALID_ARGUMENT: no ack, its ranks released), where it would
+            # otherwise hold it until the wait below runs out. That code is this side's doing, not
+            # the learner's failure (one before any chunk is `exc` itself).
+            await requests.put(None)
             learner_error = ""
             try:
                 code = await asyncio.wait_for(call.code(), 5.0)
-                if code != grpc.StatusCode.OK:
+                if code not in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT):
                     learner_error = f"the learner's PushWeights failed: {code.name}: {await call.details()}; "
             except (asyncio.TimeoutError, grpc.aio.AioRpcError):
                 call.cancel()
