@@ -102,7 +102,9 @@ def grpo_argv(model: pathlib.Path, data: pathlib.Path, out: pathlib.Path, engine
               engine: str = "hf", *extra: str) -> list[str]:
     """A small GRPO run: rule reward with the reference model (merged reward-ref process), a
     checkpoint every step, the final model exported to out/model, no end-of-run plots (each run
-    would import matplotlib and draw them: a second or more of CPU)."""
+    would import matplotlib and draw them: a second or more of CPU). Restarts back off from 0.1 s,
+    doubled per restart of an instance as with any --restart_backoff_s: the walks restart one
+    instance up to four times, which from 0.5 s waited 7.5 s with nothing to wait for."""
     return ["--pretrain", str(model), "--prompt_data", str(data / "arith_train.jsonl"), "--input_key", "prompt",
             "--label_key", "label", "--apply_chat_template", "--reward_func", "math,format",
             "--reward_extra_args", "--format_pattern .*th.*", "--init_kl_coef", "0.01", "--use_kl_loss", "--kl_estimator", "k3",
@@ -112,7 +114,7 @@ def grpo_argv(model: pathlib.Path, data: pathlib.Path, out: pathlib.Path, engine
             "--generate_max_len", "16", "--prompt_max_len", "64", "--max_steps", str(steps), "--seed", "0",
             "--vllm_num_engines", str(engines), "--rollout_engine", engine, "--save_steps", "1",
             "--ckpt_path", str(out / "ckpt"), "--run_dir", str(out / "run"), "--save_path", str(out / "model"),
-            "--port", "0", "--ready_file", str(out / "control.json"), "--restart_backoff_s", "0.5",
+            "--port", "0", "--ready_file", str(out / "control.json"), "--restart_backoff_s", "0.1",
             "--rpc_timeout_s", "600", "--no-plots", *extra]
 
 
