@@ -90,9 +90,11 @@ def test_only_the_adapter_trains_and_the_exports_agree(learner, base, tiny_model
                                                                      dtype=torch.float32).eval()
         torch.testing.assert_close(reloaded(input_ids=ids).logits, peft_logits, rtol=1e-4, atol=1e-4)
         served = logprobs(stub, seqs[:1], starts[:1])[0]
+        served_packed = logprobs(stub, seqs[:3], starts[:3], packed=True)[0]  # with two others in its pass
         logits = reloaded(input_ids=seqs[0][None]).logits[0, starts[0] - 1:-1]
         own = torch.log_softmax(logits, -1).gather(-1, seqs[0][starts[0]:, None]).squeeze(-1)
     torch.testing.assert_close(served, own, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(served_packed, own, rtol=1e-4, atol=1e-4)
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "export" / "merged").pad_token is not None
 
     # vLLM serves the merged folder as it is (a real rollout service): greedy as transformers.
