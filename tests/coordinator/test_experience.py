@@ -84,3 +84,25 @@ def test_deferred_logprobs_wait_for_finish():
         assert len(logps) == 2
 
     asyncio.run(main())
+
+
+def test_merged_deferred_logprobs_go_in_one_call_in_prompt_order():
+    plist = prompts(5)
+    rewards = [[1.0, 0.0], [1.0, 1.0], [0.0, 1.0], [0.0, 0.0], [1.0, 0.0]]
+    order = [(p, s) for p in range(5) for s in range(2)]
+    calls = []
+    for seed in (0, 1):
+        random.Random(seed).shuffle(order)
+        scores, logps, score, logprobs = recorder()
+        collector = StepCollector(2, 4, score, logprobs, keep_group=lambda r: 0 < sum(r) / len(r) < 1,
+                                  defer_logprobs=True, merge_deferred=True)
+        run(collector, plist, order, rewards)
+        assert len(scores) == 3  # scoring keeps its micro-batches of 2 prompts
+        calls.append(logps)
+    # One call, whatever the arrival order: the kept groups' samples, in prompt order.
+    assert calls[0] == calls[1] == [["e1-0/0", "e1-0/1", "e1-2/0", "e1-2/1", "e1-4/0", "e1-4/1"]]
+    # Without merging, one call per micro-batch that kept a group.
+    scores, logps, score, logprobs = recorder()
+    run(StepCollector(2, 4, score, logprobs, keep_group=lambda r: 0 < sum(r) / len(r) < 1, defer_logprobs=True),
+        plist, order, rewards)
+    assert len(logps) == 3

@@ -157,6 +157,7 @@ def test_a_verl_command_trains_on_verl_data_with_a_verl_reward_file(tiny_model_d
             "data.max_prompt_length=64", "data.max_response_length=16", f"actor_rollout_ref.model.path={tiny_model_dir}",
             "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
             "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.name=hf",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8", "actor_rollout_ref.model.use_remove_padding=True",
             "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "trainer.n_gpus_per_node=1",
             f"custom_reward_function.path={reward}", "trainer.logger=['console']", "trainer.total_training_steps=1",
             f"trainer.default_local_dir={tmp_path / 'ckpt'}", "--run_dir", str(tmp_path / "run")]
@@ -167,6 +168,10 @@ def test_a_verl_command_trains_on_verl_data_with_a_verl_reward_file(tiny_model_d
     assert "verl.translated rlmesh train --prompt_data" in output
     [metrics] = read_metrics(tmp_path / "run")
     assert metrics["samples/trained"] == 16 and "reward/has_digit" in metrics
+    # veRL's hybrid engine with padding removal and no reference model: the learner sleeps while the
+    # engine generates, then takes the step's old log-probs in one packed call (scoring went by
+    # micro-batches of 8 samples, alongside generation).
+    assert (metrics["rpc/score_calls"], metrics["rpc/logprobs_calls"]) == (2, 1), metrics
     calls = [eval(line) for line in (tmp_path / "calls.txt").read_text().splitlines()]  # noqa: S307 - our own file
     labels = {str(json.loads(line)["label"]) for line in (tiny_data_dir / "arith_train.jsonl").read_text().splitlines()}
     assert len(calls) == 16 and all(source == "arith" and truth in labels for source, truth, _ in calls)

@@ -9,8 +9,11 @@ which samples share a call never depends on arrival order: padded batches give r
 differ in the last bits with their company, and Adam turns such bits into different updates, so
 a fixed grouping is what makes a step reproducible (and a resumed run equal an uninterrupted one).
 
-`finish` waits for all the work; `kept_samples` returns the samples of kept groups in prompt
-order, then sample index.
+With colocation the learner sleeps while the engines generate, so the log-probs wait for `finish`
+(defer_logprobs); there, packed log-probs (no reference model to agree with bit for bit) go in one
+call for the whole step, which the learner cuts into full passes by tokens, instead of one call per
+micro-batch. `finish` waits for all the work; `kept_samples` returns the samples of kept groups in
+prompt order, then sample index.
 """
 
 from __future__ import annotations
@@ -84,12 +87,17 @@ class StepCollector:
     """Collects one step's samples and runs the per-sample RPCs in fixed micro-batches as they arrive."""
 
     def __init__(self, n_samples_per_prompt: int, micro_batch: int, score: ScoreFn, logprobs: LogprobFn,
-                 keep_group: Callable[[list[float]], bool] | None = None, defer_logprobs: bool = False):
+                 keep_group: Callable[[list[float]], bool] | None = None, defer_logprobs: bool = False,
+                 merge_deferred: bool = False):
         self.n = n_samples_per_prompt
         self.prompts_per_batch = max(1, micro_batch // n_samples_per_prompt)
         self._score, self._logprobs = score, logprobs
         self.keep_group = keep_group  # None: every group is kept (no dynamic filtering)
         self.defer_logprobs = defer_logprobs  # colocation: the learner is asleep during generation
+        # Deferred log-probs in one call for every micro-batch instead of one call each (the learner
+        # then forms its passes over the whole step): only where the grouping into calls does not
+        # reach the results' bits, i.e. packed passes that no reference model compares with.
+        self.merge_deferred = merge_deferred
         self.groups: dict[str, list[Sample | None]] = {}
         self.prompt_order: list[str] = []
         self.kept: list[str] = []  # prompt uids of kept groups
@@ -155,11 +163,12 @@ class StepCollector:
         if not self.defer_logprobs:
             self._send_logprobs(batch)
 
-    def _send_logprobs(self, batch: _MicroBatch) -> None:
-        if batch.logprobs_sent:
-            return
-        batch.logprobs_sent = True
-        uids = [u for u in batch.uids if self.keep_group is None or u in self.kept]
+    def _send_logprobs(self, *batches: _MicroBatch) -> None:
+        """One log-probs call for the kept samples of these micro-batches (those not sent yet)."""
+        batches = tuple(b for b in batches if not b.logprobs_sent)
+        for batch in batches:
+            batch.logprobs_sent = True
+        uids = [u for b in batches for u in b.uids if self.keep_group is None or u in self.kept]
         if uids:
             self._spawn(self._logprobs(self._samples(uids)))
 
@@ -185,8 +194,11 @@ class StepCollector:
         if incomplete:
             missing = [u for b in incomplete for u in b.uids if any(s is None for s in self.groups[u])]
             raise RuntimeError(f"samples of prompts {missing[:5]} never arrived")
-        for batch in self._batches:
-            self._send_logprobs(batch)
+        if self.defer_logprobs and self.merge_deferred:
+            self._send_logprobs(*self._batches)
+        else:
+            for batch in self._batches:
+                self._send_logprobs(batch)
         await self._drain()
 
     async def cancel(self) -> None:

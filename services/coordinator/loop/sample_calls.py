@@ -18,24 +18,30 @@ RPCS = ("score", "logprobs", "ref_logprobs", "values")
 
 
 class SampleCalls:
-    """Scores and log-probs of micro-batches, with the summed seconds of each kind of call (they
-    overlap each other and generation). The loop sets `learner` (again after a learner restart),
+    """Scores and log-probs of micro-batches, with the number and summed seconds of each kind of call
+    (they overlap each other and generation). The loop sets `learner` (again after a learner restart),
     `query_decoder` and `step` (the step being collected)."""
 
     def __init__(self, config, rewards, references, run_id: str, use_ref: bool, use_critic: bool):
         self.config, self.rewards, self.references, self.run_id = config, rewards, references, run_id
         self.use_ref, self.use_critic = use_ref, use_critic
+        # Packed forward passes (the training layout) unless a reference model's log-probs are
+        # compared with these: the reference service batches padded, and the same padded batches
+        # agree bit for bit. Packed, a call's grouping into passes is the learner's, by tokens.
+        self.packed = bool(config.packing_samples) and not use_ref
         self.learner = None
         self.query_decoder = None  # token ids -> the query text reward servers get (set by the train command)
         self.agents = None  # an agent run's episodes carry their own rewards
         self.step = 0
         self.seconds = dict.fromkeys(RPCS, 0.0)
+        self.counts = dict.fromkeys(RPCS, 0)
 
     def new_step(self, step: int) -> None:
-        self.step, self.seconds = step, dict.fromkeys(RPCS, 0.0)
+        self.step, self.seconds, self.counts = step, dict.fromkeys(RPCS, 0.0), dict.fromkeys(RPCS, 0)
 
     async def _timed(self, what: str, call: Awaitable):
         t0 = time.monotonic()
+        self.counts[what] += 1
         try:
             return await call
         finally:
@@ -67,12 +73,9 @@ class SampleCalls:
         input_ids = ragged_to_proto(sequences, torch.int32)
         response_start = to_proto(torch.tensor(starts, dtype=torch.int64))
         request_id = f"step{self.step}"
-        # Packed passes (the training layout) unless a reference model's log-probs are compared with
-        # these: the reference service batches padded, and the same padded batches agree bit for bit.
-        packed = cfg.packing_samples and not self.use_ref
         calls: list[Awaitable] = [self._timed("logprobs", self.learner.LogProbs(learner_pb2.LogProbsRequest(
             input_ids=input_ids, response_start=response_start, temperature=cfg.temperature, request_id=request_id,
-            packed=packed)))]
+            packed=self.packed)))]
         if self.use_ref:
             calls.append(self._timed("ref_logprobs", self.references.call(
                 lambda c: c.ref_logprobs(sequences, starts, cfg.temperature, request_id))))

@@ -11,9 +11,9 @@ from services.coordinator.loop.reward_logs import reward_metrics
 
 
 def step_metrics(cfg, state, step: int, collector, batch: dict, gen: dict, times: dict, step_s: float,
-                 rpc_seconds: dict) -> dict:
+                 rpc_seconds: dict, rpc_counts: dict) -> dict:
     """Metrics of step `step` from its collector (every generated sample), the training batch,
-    generation counts, phase times and the summed per-sample call seconds."""
+    generation counts, phase times and the per-sample calls (number, summed seconds)."""
     all_samples = collector.all_samples()
     rewards = torch.tensor([s.reward for s in all_samples if s.reward is not None], dtype=torch.float32)
     lengths = torch.tensor([len(s.response_ids) for s in all_samples], dtype=torch.float32)
@@ -43,8 +43,8 @@ def step_metrics(cfg, state, step: int, collector, batch: dict, gen: dict, times
                   "filter/rounds": gen["filter_rounds"]})
         prom.FILTERED_PROMPTS.inc(len(collector.dropped))
     for what, seconds in rpc_seconds.items():
-        if seconds:
-            m[f"rpc/{what}_s"] = seconds
+        if rpc_counts.get(what):
+            m[f"rpc/{what}_s"], m[f"rpc/{what}_calls"] = seconds, rpc_counts[what]
     for phase, seconds in times.items():
         m[f"time/{phase}_s"] = seconds
         if phase != "coordinator_cpu":

@@ -240,7 +240,7 @@ class Trainer(RunCheckpoints):
             keep = lambda rewards: bool(keep_group(torch.tensor([rewards]), low, high)[0])  # noqa: E731
         collector = StepCollector(cfg.n_samples_per_prompt, cfg.micro_rollout_batch_size, self.calls.score,
                                   self.calls.logprobs, keep_group=keep,
-                                  defer_logprobs=self.sequential or defer_logprobs)
+                                  defer_logprobs=self.sequential or defer_logprobs, merge_deferred=self.calls.packed)
         progress = progress_bar(cfg, step, self.control.total_steps)
         try:
             # ---- generate (scoring and log-probs run alongside) ----
@@ -316,7 +316,8 @@ class Trainer(RunCheckpoints):
         # CPU the coordinator itself used during the step (all its threads): its real cost on a
         # machine it shares with the services, whichever phase it falls in.
         times["coordinator_cpu"] = time.process_time() - cpu_step
-        metrics = step_metrics(cfg, self.state, step, collector, batch, gen, times, step_s, self.calls.seconds)
+        metrics = step_metrics(cfg, self.state, step, collector, batch, gen, times, step_s, self.calls.seconds,
+                               self.calls.counts)
         metrics.update(train_metrics)
         metrics.update(push_metrics)
         if cfg.kl_target > 0 and "kl/mean" in metrics:
