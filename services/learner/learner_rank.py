@@ -165,7 +165,7 @@ class LearnerRank:
 
     def _forward_rows(self, payload: dict, forward: Callable[[MicroBatch], torch.Tensor]) -> list[torch.Tensor]:
         """forward(mb) -> (B, R) over the payload's micro-batches, read back to the host once at the
-        end (the passes queue on the device without a sync between them)."""
+        end, not after every pass."""
         results = []
         for chunk, filler in self._forward_passes(payload["micro_batches"], payload["passes"]):
             mb = collate(chunk, packed=payload.get("packed", False)).to(self.device)
