@@ -28,7 +28,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 STATE_FILE = "cluster.json"
 FIRST_HOST = 2  # 127.0.0.2: 127.0.0.1 stays what "localhost" means, so an address fixed to it shows up
@@ -172,7 +171,8 @@ class LocalCluster:
         try:
             self._start_node(state, head_gpus, cpus_per_node, object_store_mb, head=True, timeout_s=timeout_s,
                              extra_env=head_env)
-            # One wait for all the workers: a worker's start does not need the one before registered.
+            # One wait for all the workers: each check is a Ray driver started in a child process
+            # (about a second of CPU), and a worker's start does not need the one before registered.
             for _ in range(workers):
                 self._start_node(state, gpus_per_node, cpus_per_node, object_store_mb, head=False, timeout_s=timeout_s,
                                  wait=False)
@@ -253,37 +253,29 @@ class LocalCluster:
         return 21000 + WORKER_PORTS * len(state.nodes) + (state.port % 25) * WORKER_PORTS * 10
 
     def wait_nodes(self, count: int, timeout_s: float) -> None:
-        """Until the cluster reports `count` live nodes (a joined raylet registers a moment after
-        `ray start`). A dashboard that does not answer yet counts as no answer until the deadline."""
+        """Until the cluster reports `count` live nodes (a joined raylet registers a moment after `ray start`)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            try:
-                alive, error = self.alive_nodes(), ""
-            except ClusterError as exc:
-                alive, error = [], f" ({exc})"
+            alive = self.alive_nodes()
             if len(alive) >= count:
                 return
             if time.monotonic() > deadline:
                 raise ClusterError(f"the cluster at {self.address} shows {len(alive)} live nodes, not {count}, "
-                                   f"after {timeout_s:.0f} s{error}; see the ray-start.log files in {self.folder}")
-            time.sleep(0.2)
+                                   f"after {timeout_s:.0f} s; see the ray-start.log files in {self.folder}")
+            time.sleep(1.0)
 
     def alive_nodes(self) -> list[str]:
-        """Addresses of the nodes the head's GCS counts alive, from the head dashboard's state API
-        (GET /api/v0/nodes, read from the GCS on each request): one local HTTP request of a few
-        milliseconds. A Ray driver started to ask instead (ray.nodes(), in a child process: a driver
-        here would pin this process to the cluster) takes about 1.5 s and 0.7 s of CPU per check."""
-        url = f"{self.dashboard_url}/api/v0/nodes?limit=10000"
-        # No proxy: the dashboard listens on this machine's loopback.
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        try:
-            with opener.open(url, timeout=60) as reply:
-                body = json.loads(reply.read())
-        except (OSError, ValueError) as exc:  # URLError and HTTPError are OSErrors
-            raise ClusterError(f"could not ask the cluster's dashboard ({url}) for its nodes: {exc}") from exc
-        if not body.get("result"):
-            raise ClusterError(f"the cluster's dashboard ({url}) did not list its nodes: {body.get('msg')}")
-        return [row["node_ip"] for row in body["data"]["result"]["result"] if row["state"] == "ALIVE"]
+        """Addresses of the nodes the head's GCS counts alive (asked in a child process: a driver here
+        would pin this process to the cluster)."""
+        script = ("import json, ray; ray.init(address=%r, log_to_driver=False, logging_level='ERROR'); "
+                  "print('NODES ' + json.dumps([n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]))"
+                  % self.address)
+        env = {k: v for k, v in _ray_env().items() if k != "RAY_ADDRESS"}
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+        line = next((l for l in out.stdout.splitlines() if l.startswith("NODES ")), None)
+        if line is None:
+            raise ClusterError(f"could not ask the cluster at {self.address} for its nodes:\n{out.stderr[-2000:]}")
+        return json.loads(line[len("NODES "):])
 
     def kill(self, ip: str) -> int:
         """Stops the node at `ip` as a lost machine does: its raylet, agents, Ray workers and the service
