@@ -207,11 +207,17 @@ def test_varlen_attention_keeps_packed_samples_apart(tiny_model_dir):
         start += n
 
 
-def test_dynamic_plan_fills_micro_batches_by_tokens_with_equal_counts_per_rank():
-    g = torch.Generator().manual_seed(3)
+def samples_with_a_long_one(seed: int, count: int, long_at: int) -> list[Sample]:
+    """count random samples of 5-59 tokens, the one at long_at of 250 (longer than a 200-token budget)."""
+    g = torch.Generator().manual_seed(seed)
     samples = [Sample(torch.randint(4, 600, (int(n),), generator=g), 2, {})
-               for n in torch.randint(5, 60, (32,), generator=g)]
-    samples[7] = Sample(torch.randint(4, 600, (250,), generator=g), 2, {})  # longer than the budget
+               for n in torch.randint(5, 60, (count,), generator=g)]
+    samples[long_at] = Sample(torch.randint(4, 600, (250,), generator=g), 2, {})
+    return samples
+
+
+def test_dynamic_plan_fills_micro_batches_by_tokens_with_equal_counts_per_rank():
+    samples = samples_with_a_long_one(seed=3, count=32, long_at=7)
     budget = 200
     plans = plan_training(samples, train_batch_size=16, micro_batch_size=2, world_size=2, epochs=1, seed=1,
                           max_tokens=budget)
@@ -233,10 +239,7 @@ def test_dynamic_plan_fills_micro_batches_by_tokens_with_equal_counts_per_rank()
 
 
 def test_packed_forward_passes_fill_a_token_budget_and_cover_every_sample_once():
-    g = torch.Generator().manual_seed(5)
-    samples = [Sample(torch.randint(4, 600, (int(n),), generator=g), 2, {})
-               for n in torch.randint(5, 60, (40,), generator=g)]
-    samples[3] = Sample(torch.randint(4, 600, (250,), generator=g), 2, {})  # longer than the budget
+    samples = samples_with_a_long_one(seed=5, count=40, long_at=3)
     budget = 200
     layout = token_forward_micro_batches(samples, budget, world_size=2)
     indices = [i for rank in layout for mb in rank for i in mb]
