@@ -28,6 +28,7 @@ from services.common.log import get_logger, log_event
 from services.common.logprobs import sequence_logprobs, token_logprobs
 from services.common import ownership
 from services.learner import checkpoint, host_offload, logprob_head, universal, warmup
+from services.learner.profiling import CallProfiler
 from services.learner.batches import MicroBatch, Sample, StepPlan, collate, ragged_rows
 from services.learner.config import LearnerConfig
 from services.learner.deepspeed_setup import (
@@ -61,6 +62,7 @@ class LearnerRank:
         self.weight_version = 0
         self.sender = WeightSender(spec.rank, self.device)
         self._keepalive = []
+        self.profile = CallProfiler(spec.rank)  # RLMESH_PROFILE_DIR: traces of chosen calls
 
     # ------------------------------------------------------------------------------------------
     # Set-up
@@ -128,7 +130,8 @@ class LearnerRank:
             raise ValueError(f"unknown command {name!r}")
         if self.offloaded and name not in ("info", "offload", "reload", "init_weight_transfer"):
             raise failed_precondition(f"the learner is offloaded (Offload was called); call Reload before {name}")
-        return handler(payload)
+        with self.profile(name):
+            return handler(payload)
 
     # ------------------------------------------------------------------------------------------
     # Forward passes
