@@ -26,7 +26,6 @@ from services.reward.client import REFERENCE_SERVICE, REWARD_SERVICE
 from services.reward.config import RewardConfig
 from services.reward.function_source import FunctionRewardSource
 from services.reward.grpc_source import GrpcRewardSource
-from services.reward.http_source import HttpRewardSource
 from services.reward.recent import RecentAnswers
 from services.reward.remote import RemotePolicy
 from services.reward.rules import MathScheme, RuleRewardSource
@@ -232,6 +231,8 @@ def make_reward_source(config: RewardConfig) -> RewardSource | None:
         return ModelRewardSource(model, use_token_ids=config.reward_input == "token_ids",
                                  normalize=config.normalize_reward)
     if config.remote_kind == "http":
+        from services.reward.http_source import HttpRewardSource  # aiohttp (~0.15 s): only for HTTP scorers
+
         return HttpRewardSource(config.remote_urls, policy)
     if config.remote_kind == "grpc":
         return GrpcRewardSource(config.remote_urls, policy, config.max_message_mb, config.remote_rm_tls_ca)
