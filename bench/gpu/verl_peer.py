@@ -115,6 +115,8 @@ def verl_command(job, model, paths, work: pathlib.Path, scratch: pathlib.Path, a
         "trainer.val_before_train": False, "trainer.test_freq": -1, "trainer.save_freq": -1,
         "trainer.resume_mode": "disable", "trainer.default_local_dir": scratch / "ckpt",
     }
+    if args.liger:
+        overrides["actor_rollout_ref.model.use_liger"] = True
     return [sys.executable, "-m", "verl.trainer.main_ppo",
             *(f"{key}={value}" for key, value in overrides.items())]
 

@@ -132,6 +132,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="rlmesh's vLLM engines on the GPU (--vllm_num_engines), each with 1/N of --gpu_memory_utilization")
     p.add_argument("--rlmesh_args", default="", help="options added to rlmesh's command (one string), e.g. "
                    "\"--use_dynamic_batch --train_max_tokens_per_gpu 16384\"")
+    p.add_argument("--liger", action="store_true",
+                   help="every framework with liger-kernel's Triton RMSNorm / SwiGLU / RoPE, each through its own "
+                        "switch: rlmesh --use_liger_kernel, OpenRLHF --ds.use_liger_kernel, TRL use_liger_kernel "
+                        "(its layer kernels; its fused log-prob head stays), veRL actor_rollout_ref.model.use_liger")
     p.add_argument("--dry_run", action="store_true", help="build the model, data and commands, print them, run nothing")
     p.add_argument("--role", default="driver", choices=["driver", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--job", default="A", help=argparse.SUPPRESS)
@@ -239,14 +243,16 @@ def rlmesh_command(job: Job, model, paths, work: pathlib.Path, scratch: pathlib.
             "--vllm_gpu_memory_utilization", f"{args.gpu_memory_utilization / args.rlmesh_engines:.4g}",
             "--vllm_max_num_seqs", "512", "--vllm_max_num_batched_tokens", "4096",  # TRL's fixed values
             "--run_dir", str(work / "run"), "--ckpt_path", str(scratch / "ckpt"), "--save_path", str(scratch / "final"),
-            "--disable_ds_ckpt", "--metrics_port", "-1", "--no-progress_bar", "--seed", "42", *shlex.split(args.rlmesh_args)]
+            "--disable_ds_ckpt", "--metrics_port", "-1", "--no-progress_bar", "--seed", "42",
+            *(["--use_liger_kernel"] if args.liger else []), *shlex.split(args.rlmesh_args)]
 
 
 def trl_command(job: Job, model, paths, work: pathlib.Path, scratch: pathlib.Path, args) -> list[str]:
     return [sys.executable, str(pathlib.Path(__file__).resolve()), "--role", "trl", "--job", job.name,
             "--model", str(model), "--work", str(work), "--steps", str(args.steps), "--max_tokens", *map(str, args.max_tokens),
             "--prompts_per_step", str(args.prompts_per_step), "--micro_batch", str(args.micro_batch),
-            "--gpu_memory_utilization", str(args.gpu_memory_utilization), "--scratch", str(paths["prompts"].parent), "--work_scratch", str(scratch)]
+            "--gpu_memory_utilization", str(args.gpu_memory_utilization), "--scratch", str(paths["prompts"].parent), "--work_scratch", str(scratch),
+            *(["--liger"] if args.liger else [])]
 
 
 def openrlhf_command(job: Job, model, paths, work: pathlib.Path, scratch: pathlib.Path, args) -> list[str]:
@@ -267,7 +273,8 @@ def openrlhf_command(job: Job, model, paths, work: pathlib.Path, scratch: pathli
             "--ref.num_gpus_per_node", "1", "--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "1",
             "--vllm.gpu_memory_utilization", str(args.gpu_memory_utilization),
             "--train.colocate_all", "--vllm.enable_sleep", "--ds.enable_sleep",
-            "--ckpt.path", str(scratch / "ckpt"), "--ckpt.output_dir", str(scratch / "final"), "--ckpt.save_steps", "-1"]
+            "--ckpt.path", str(scratch / "ckpt"), "--ckpt.output_dir", str(scratch / "final"), "--ckpt.save_steps", "-1",
+            *(["--ds.use_liger_kernel"] if args.liger else [])]
 
 
 COMMANDS = {"rlmesh": rlmesh_command, "trl": trl_command, "openrlhf": openrlhf_command, "verl": verl_peer.verl_command}
@@ -523,7 +530,8 @@ def trl_config(job: Job, scratch: pathlib.Path, args):
         temperature=1.0, bf16=True, gradient_checkpointing=True, model_init_kwargs={"dtype": "bfloat16"},
         use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True,
         vllm_gpu_memory_utilization=args.gpu_memory_utilization, vllm_max_model_length=PROMPT_MAX_LEN + job.max_tokens,
-        logging_steps=1, report_to="none", save_strategy="no", seed=42, shuffle_dataset=False)
+        logging_steps=1, report_to="none", save_strategy="no", seed=42, shuffle_dataset=False,
+        use_liger_kernel=args.liger)
 
 
 def run_trl(args) -> None:
@@ -618,7 +626,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     info = {"date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "versions": versions(), "steps": args.steps,
             "gpu_memory_utilization": args.gpu_memory_utilization, "rlmesh_engines": args.rlmesh_engines,
-            "rlmesh_args": args.rlmesh_args}
+            "rlmesh_args": args.rlmesh_args, "liger": args.liger}
     print(json.dumps(info, indent=1), flush=True)
     scratch = pathlib.Path(args.scratch).resolve()
     scratch.mkdir(parents=True, exist_ok=True)

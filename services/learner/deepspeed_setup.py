@@ -217,10 +217,10 @@ def deepspeed_config(options: DeepSpeedOptions, world_size: int) -> dict:
     options.validate_deepspeed(world_size)
     zero: dict = {
         "stage": options.zero_stage,
-        # Overlapping the gradient reduction with the backward pass needs ranks to reduce with:
-        # ZeRO-1/2 with overlap_comm synchronise the device at every micro-batch's end, which on
-        # one rank buys nothing and stalls the host's queue of kernels.
-        "overlap_comm": torch.cuda.is_available() and (world_size > 1 or options.zero_stage == 3),
+        # Also with one rank: the reduction's per-parameter copies then run on a stream of their own,
+        # beside the backward's kernels (turned off there, a job's train phase was not faster: an H200
+        # A/B, README "Profiles of a step").
+        "overlap_comm": torch.cuda.is_available(),
         "contiguous_gradients": True,
         "reduce_bucket_size": 5e8,
         "allgather_bucket_size": 5e8,

@@ -1,5 +1,5 @@
 """RLMESH_PROFILE_DIR: the learner's chosen calls are traced with the torch profiler, the others not;
-the report's device-idle arithmetic; the deepspeed config's overlap_comm choice."""
+the report's device-idle arithmetic."""
 
 import gzip
 import json
@@ -7,8 +7,6 @@ import json
 import pytest
 import torch
 
-from services.learner import deepspeed_setup
-from services.learner.config import LearnerConfig
 from services.learner.profiling import CallProfiler, idle_report, parse_calls
 
 
@@ -52,12 +50,3 @@ def test_idle_report_counts_busy_time_and_the_longest_gaps():
     assert lines[0].startswith("device busy 2.8 ms of 6.0 ms (47%), 2 idle gaps, 3.2 ms in gaps >= 200 us")
     assert lines[2].startswith("gap    3.00 ms at +     1.5 ms: aten::nonzero 3.00")
     assert idle_report([]) == ["no device activity recorded"]
-
-
-@pytest.mark.parametrize("world, stage, overlap", [(1, 2, False), (2, 2, True), (1, 3, True), (1, 1, False)])
-def test_gradient_reduction_overlaps_only_with_ranks_to_reduce_with(monkeypatch, world, stage, overlap):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    config = LearnerConfig(pretrain="unused", zero_stage=stage, train_batch_size=8, micro_train_batch_size=1)
-    assert deepspeed_setup.deepspeed_config(config, world)["zero_optimization"]["overlap_comm"] is overlap
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert deepspeed_setup.deepspeed_config(config, world)["zero_optimization"]["overlap_comm"] is False
