@@ -211,9 +211,11 @@ def test_guide_ppo_each_model_on_its_own_node_and_a_lost_node_nothing_replaces(
     assert re.search(r"reward-\d: no node took its bundle \(1 bundle\(s\) of \{\"CPU\": [\d.]+, \"GPU\": 1(?:\.0)?\} "
                      r".*within --ray_placement_timeout_s 30 s; the cluster has 4 live node\(s\)", output), output[-8000:]
     assert "resume with --load_checkpoint" in output
-    # The bound once, after Ray's notice of the loss and a first restart that fails with the lost
-    # actor; not once per restart of --max_restarts 8 (8 x 30 s).
-    assert failed_s < 150, failed_s
+    # The bound once, after Ray's notice of the loss (3 health checks 1 s apart here) and the first
+    # restart's back-off (1 s); not once per restart of --max_restarts 8 (8 x 30 s), nor held up by
+    # asking the lost actors for their logs (each such ask waited 10 s with the event loop blocked:
+    # 54 s with the two reward instances).
+    assert failed_s < 30 + 15, failed_s
     assert [r["global_step"] for r in read_metrics(run)] == [1]
 
     t0 = time.monotonic()

@@ -293,8 +293,13 @@ class RayPlacement:
         return None
 
     def log_tail(self, name: str) -> str:
+        p = self._members(name)[0]
+        if not bundle_has_live_node(*p.bundles[0]):
+            # Its node was lost (or none took the bundle): an actor there would answer only at the
+            # timeout. What it logged while its node lived was mirrored into the run folder.
+            return f"(its node is gone; its log up to then is in {self._log_dir})"
         try:
-            return ray.get(self._members(name)[0].actor.tail.remote(), timeout=10)
+            return ray.get(p.actor.tail.remote(), timeout=10)
         except Exception as exc:  # noqa: BLE001 - a dead actor's log stays in the run folder
             return f"(log unavailable through Ray: {type(exc).__name__}; see {self._log_dir})"
 

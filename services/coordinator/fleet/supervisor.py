@@ -152,17 +152,20 @@ class Supervisor:
             self._restarts[instance.name] = asyncio.ensure_future(self._restart(instance))
 
     # ---- restarting ----
-    def _give_up(self, instance: Instance, why: str) -> None:
-        tail = self.placement.log_tail(instance.name)
-        self.fatal = ServiceFailed(f"{instance.name} ({', '.join(instance.roles)}) {why}; the run stops. Fix the cause "
-                                   f"and rerun with --load_checkpoint, or raise --max_restarts. {tail}")
+    async def _give_up(self, instance: Instance, why: str) -> None:
+        # Off the event loop: asking a placement for the log may wait on a remote actor (Ray), and
+        # the loop meanwhile serves the other instances' restarts and stops the run.
+        tail = await asyncio.to_thread(self.placement.log_tail, instance.name)
+        if self.fatal is None:  # the first to give up stops the run and names it; the others are events
+            self.fatal = ServiceFailed(f"{instance.name} ({', '.join(instance.roles)}) {why}; the run stops. Fix the "
+                                       f"cause and rerun with --load_checkpoint, or raise --max_restarts. {tail}")
         self.event("service.failed", service=instance.name, how=instance.last_death, restarts=instance.restarts,
                    why=why)
 
     async def _restart(self, instance: Instance) -> None:
         while True:
             if instance.restarts >= self.max_restarts:
-                self._give_up(instance, f"died ({instance.last_death}) after {instance.restarts} restart(s) of "
+                await self._give_up(instance, f"died ({instance.last_death}) after {instance.restarts} restart(s) of "
                                         f"--max_restarts {self.max_restarts}")
                 break
             delay = min(self.backoff_s * 2 ** instance.restarts, MAX_BACKOFF_S)
@@ -176,7 +179,7 @@ class Supervisor:
                     address = await self.placement.restart(instance.name)
                 except NoRoom as exc:
                     instance.state, instance.last_death = DEAD, f"restart failed: {exc}"
-                    self._give_up(instance, f"could not be restarted: {exc}")
+                    await self._give_up(instance, f"could not be restarted: {exc}")
                     break
                 except Exception as exc:  # noqa: BLE001 - a failed start uses a restart of the budget, then retries
                     instance.last_death = f"restart failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
