@@ -218,8 +218,8 @@ def deepspeed_config(options: DeepSpeedOptions, world_size: int) -> dict:
     zero: dict = {
         "stage": options.zero_stage,
         # Also with one rank: the reduction's per-parameter copies then run on a stream of their own,
-        # beside the backward's kernels (turned off there, a job's train phase was not faster: an H200
-        # A/B, README "Profiles of a step").
+        # beside the backward's kernels (turned off there, job A's train phase was not faster: an
+        # H200 A/B in the README's benchmarks, "One LogProbs call per step; a profile ...").
         "overlap_comm": torch.cuda.is_available(),
         "contiguous_gradients": True,
         "reduce_bucket_size": 5e8,

@@ -28,7 +28,6 @@ from services.common.log import get_logger, log_event
 from services.common.logprobs import sequence_logprobs, token_logprobs
 from services.common import ownership
 from services.learner import checkpoint, host_offload, logprob_head, universal, warmup
-from services.learner.profiling import CallProfiler
 from services.learner.batches import MicroBatch, Sample, StepPlan, collate, ragged_rows
 from services.learner.config import LearnerConfig
 from services.learner.deepspeed_setup import (
@@ -40,6 +39,7 @@ from services.learner.deepspeed_setup import (
 )
 from services.learner.logprob_head import forward_micro_batch
 from services.learner.lora import save_adapter
+from services.learner.profiling import CallProfiler
 from services.learner.spmd import CANCEL, RankSpec, join_process_group
 from services.learner.weight_push import Chunk, WeightSender
 

@@ -165,8 +165,8 @@ class Supervisor:
     async def _restart(self, instance: Instance) -> None:
         while True:
             if instance.restarts >= self.max_restarts:
-                await self._give_up(instance, f"died ({instance.last_death}) after {instance.restarts} restart(s) of "
-                                        f"--max_restarts {self.max_restarts}")
+                await self._give_up(instance, f"died ({instance.last_death}) after {instance.restarts} restart(s) "
+                                              f"of --max_restarts {self.max_restarts}")
                 break
             delay = min(self.backoff_s * 2 ** instance.restarts, MAX_BACKOFF_S)
             await asyncio.sleep(delay)
