@@ -31,7 +31,8 @@ Each framework runs as a child process; steps are timed from outside as the wall
 consecutive step ends (rlmesh: metrics.jsonl lines, TRL: a callback, OpenRLHF: its "Global step"
 log lines, veRL: its console logger's "step:N" lines). A background thread samples nvidia-smi every
 0.2 s: GPU busy fraction (the mean of utilization.gpu, the share of time a kernel ran) over steps
-2..N, and the peak of memory.used over the whole run. A framework that fails is reported with its
+2..N, and the peak of memory.used over the whole run; another reads /proc/stat every 0.5 s: the
+machine's CPU busy and stolen (hypervisor) shares over the same steps. A framework that fails is reported with its
 error and versions; the rest go on.
 Prints one table per job with ratios to rlmesh and writes results.json.
 """
@@ -332,6 +333,51 @@ class GpuMonitor(threading.Thread):
             self.proc.wait()
 
 
+class HostMonitor(threading.Thread):
+    """The machine's CPU time every 0.5 s (/proc/stat's "cpu" line): (monotonic time, busy, steal,
+    total) in clock ticks since boot. A virtual machine's host side (a GPU rented by the hour) can
+    slow every framework's CPU work; the steal share says when the hypervisor took the cores away."""
+
+    def __init__(self, every_s: float = 0.5, path: str = "/proc/stat"):
+        super().__init__(daemon=True)
+        self.every_s, self.path = every_s, path
+        self.samples: list[tuple[float, int, int, int]] = []
+        self._halt = threading.Event()
+
+    def read(self) -> tuple[int, int, int] | None:
+        try:
+            with open(self.path) as f:
+                fields = [int(x) for x in f.readline().split()[1:9]]
+        except (OSError, ValueError):
+            return None
+        user, nice, system, idle, iowait, irq, softirq, steal = fields + [0] * (8 - len(fields))
+        total = user + nice + system + idle + iowait + irq + softirq + steal
+        return total - idle - iowait - steal, steal, total
+
+    def run(self):
+        while not self._halt.is_set():
+            now, ticks = time.monotonic(), self.read()
+            if ticks:
+                self.samples.append((now, *ticks))
+            self._halt.wait(self.every_s)
+
+    def stop(self):
+        self._halt.set()
+        self.join(5)
+
+
+def host_share(samples: list[tuple[float, int, int, int]], t0: float, t1: float) -> dict | None:
+    """Busy and steal shares of all cores between the samples nearest t0 and t1 (times as in samples)."""
+    if len(samples) < 2:
+        return None
+    first = min(samples, key=lambda s: abs(s[0] - t0))
+    last = min(samples, key=lambda s: abs(s[0] - t1))
+    total = last[3] - first[3]
+    if total <= 0:
+        return None
+    return {"busy": (last[1] - first[1]) / total, "steal": (last[2] - first[2]) / total, "cores": os.cpu_count()}
+
+
 OPENRLHF_STEP = re.compile(r"Global step (\d+): (\{.*\})")
 NUMBER_ITEM = re.compile(r"'([\w/.\-]+)': (?:np\.float\d+\(|tensor\()?(-?[\d.]+(?:e[-+]?\d+)?|nan|inf)")
 
@@ -371,8 +417,9 @@ def run_one(framework: str, job: Job, paths, out: pathlib.Path, args, time_left:
         print(f"[{job.name} {framework}] " + " ".join(cmd), flush=True)
         return result
     timeout = min(args.timeout_s[0] if job.name == "A" else args.timeout_s[1], time_left)
-    gpu = GpuMonitor()
+    gpu, host = GpuMonitor(), HostMonitor()
     gpu.start()
+    host.start()
     t_start = time.monotonic()
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(framework, out), stdout=f, stderr=subprocess.STDOUT,
@@ -394,6 +441,7 @@ def run_one(framework: str, job: Job, paths, out: pathlib.Path, args, time_left:
             proc.wait()
     t_exit = time.monotonic() - t_start
     gpu.stop()
+    host.stop()
     for row in read_steps(framework, work, log, len(steps)):  # steps logged just before the exit
         row["t_end"] = t_exit
         steps.append(row)
@@ -412,6 +460,7 @@ def run_one(framework: str, job: Job, paths, out: pathlib.Path, args, time_left:
         t0, t1 = steps[0]["t_end"], steps[-1]["t_end"]
         window = [u for t, u, _ in samples if t0 <= t <= t1]
         result["gpu_busy"] = statistics.fmean(window) / 100 if window else None
+        result["host_cpu"] = host_share([(t - t_start, *ticks) for t, *ticks in host.samples], t0, t1)
     # the whole run, for bench/gpu/plot_timeline.py: (seconds from the start, utilization %, memory GiB)
     result["gpu_trace"] = [(round(t, 2), u, round(m / 1024, 2)) for t, u, m in samples]
     result.update(summarize(framework, steps, args.prompts_per_step * SAMPLES_PER_PROMPT))
@@ -608,6 +657,11 @@ def table(results: list[dict], job: str) -> str:
                      f"{ratio:>10}{fmt(r['generated_tokens_per_s'], '>11,.0f')}{fmt(r['trained_tokens_per_s'], '>12,.0f')}"
                      f"{fmt(r.get('gpu_busy'), '>10.0%')}{r['peak_memory_gib']:>10.1f}{r['mean_response_len']:>10.0f}  {phases}"
                      + (f"  [{r['error'][:120]}]" if r.get("error") else ""))
+    for r in rows:
+        if r.get("host_cpu"):
+            h = r["host_cpu"]
+            lines.append(f"{r['framework']}: the machine's {h['cores']} cores over steps 2..N: {h['busy']:.0%} busy, "
+                         f"{h['steal']:.1%} stolen by the hypervisor")
     for r in rows:
         if r.get("rlmesh_timeline"):
             tl = r["rlmesh_timeline"]
