@@ -32,8 +32,8 @@ consecutive step ends (rlmesh: metrics.jsonl lines, TRL: a callback, OpenRLHF: i
 log lines, veRL: its console logger's "step:N" lines). A background thread samples nvidia-smi every
 0.2 s: GPU busy fraction (the mean of utilization.gpu, the share of time a kernel ran) over steps
 2..N, and the peak of memory.used over the whole run; another reads /proc/stat every 0.5 s: the
-machine's CPU busy and stolen (hypervisor) shares over the same steps. A framework that fails is reported with its
-error and versions; the rest go on.
+machine's CPU busy and stolen (hypervisor) shares over the same steps. A framework that fails is
+reported with its error and versions; the rest go on.
 Prints one table per job with ratios to rlmesh and writes results.json.
 """
 

@@ -18,7 +18,6 @@ import gzip
 import json
 import os
 import pathlib
-import shutil
 import time
 
 import torch
@@ -80,9 +79,9 @@ class CallProfiler:
         wall = time.monotonic() - started
         trace = self.folder / f"{label}.trace.json"
         prof.export_chrome_trace(str(trace))
-        with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        events = json.loads(trace.read_text())
+        raw = trace.read_bytes()  # read once: compressed beside it, and parsed for the report
+        pathlib.Path(f"{trace}.gz").write_bytes(gzip.compress(raw))
+        events = json.loads(raw)
         trace.unlink()
         device_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         table = [f"{label}: {wall:.3f} s wall", "",
