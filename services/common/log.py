@@ -36,9 +36,16 @@ def _quote(value) -> str:
     return f'"{text}"' if (" " in text or not text) else text
 
 
+_LEVELS = frozenset({logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR, logging.CRITICAL})
+
+
 def log_event(logger: logging.Logger, event: str, request_id: str | None = None,
               level: int = logging.INFO, **fields) -> None:
-    """Logs `event request_id=.. k=v ...` on one line."""
+    """Logs `event request_id=.. k=v ...` on one line. `level` is the logging level (logging.INFO,
+    WARNING, ...), never a field: a field named so would set the record's level and drop the line."""
+    if level not in _LEVELS:
+        raise ValueError(f"log_event({event!r}): level={level!r} is not a logging level; pass one of "
+                         f"{sorted(_LEVELS)} (logging.INFO, ...), or give the field another name")
     parts = [event]
     if request_id:
         parts.append(f"request_id={request_id}")

@@ -470,7 +470,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                                     "Sleep(level=2) discarded the weights; push every parameter (UpdateWeights) "
                                     "after WakeUp")
                 elapsed = time.perf_counter() - start
-                log_event(log, "engine.sleep", level=request.level, freed_bytes=freed, seconds=f"{elapsed:.2f}")
+                log_event(log, "engine.sleep", sleep_level=request.level, freed_bytes=freed, seconds=f"{elapsed:.2f}")
                 return rollout_pb2.SleepResponse(freed_bytes=freed, duration_s=elapsed)
 
     @handle_errors
