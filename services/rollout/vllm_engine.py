@@ -51,21 +51,40 @@ _FINISH_REASONS = {"stop": "stop", "length": "length"}  # anything else ("abort"
 log = get_logger("rollout")
 
 
-def cpu_process_layout(config: RolloutConfig) -> None:
+def cpu_process_layout(config: RolloutConfig) -> bool:
     """On the CPU, vLLM's defaults assume the engine has the machine to itself: it pins its worker to
     all cores but one, and runs that worker in a process of its own (one more vLLM import, ~10 s on 2
     cores). A rollout service shares its machine with the learner, the scorers and often other engines,
     which all pinned themselves to the same core. So, unless the user set them: no pinning (the OS
     spreads the processes), and with one worker (tensor parallel 1) the worker inside the engine-core
-    process, as vLLM runs it on a GPU. Called before the engine starts; GPUs are left as they are."""
+    process, as vLLM runs it on a GPU. Called before the engine starts; GPUs are left as they are.
+
+    Returns whether the engine-core process is to be forked from this one (_EngineCoreForked): vLLM's CPU
+    platform asks for spawned processes (for the OpenMP-bound workers of tensor parallelism), and a
+    spawned engine core imports torch, transformers and vLLM again: ~8 CPU-s of a ~18 CPU-s start of the
+    tiny model on 2 cores. With one worker inside the engine core there is no such worker; forking it,
+    as vLLM does by default on a GPU, skips the imports. Not when the user chose a method."""
     if not current_platform.is_cpu():
-        return
+        return False
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    if config.tensor_parallel_size == 1:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if config.tensor_parallel_size != 1:
+        return False
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    return "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ
 
 
-def engine_args(config: RolloutConfig) -> AsyncEngineArgs:
+class _EngineCoreForked(AsyncEngineArgs):
+    """The engine arguments of a CPU engine whose engine-core process is forked (cpu_process_layout):
+    vLLM's CPU platform sets VLLM_WORKER_MULTIPROC_METHOD=spawn while the configuration is built, so
+    the choice is put back right after (vLLM still spawns where it must, e.g. inside a Ray actor)."""
+
+    def create_engine_config(self, *args, **kwargs):
+        vllm_config = super().create_engine_config(*args, **kwargs)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+        return vllm_config
+
+
+def engine_args(config: RolloutConfig, fork_engine_core: bool = False) -> AsyncEngineArgs:
     """AsyncEngineArgs from the service options (only those set, so vLLM's defaults stay its own)."""
     kwargs = dict(
         model=config.pretrain,
@@ -93,7 +112,7 @@ def engine_args(config: RolloutConfig) -> AsyncEngineArgs:
     chunked = {"on": True, "off": False, "auto": False if current_platform.is_cpu() else None}[config.enable_chunked_prefill]
     if chunked is not None:
         kwargs["enable_chunked_prefill"] = chunked
-    return AsyncEngineArgs(**kwargs)
+    return (_EngineCoreForked if fork_engine_core else AsyncEngineArgs)(**kwargs)
 
 
 def sampling_params(sampling: Sampling, spec: SampleSpec, stream_tokens: bool = False) -> SamplingParams:
@@ -132,8 +151,8 @@ class _Running:
 class VllmEngine(Engine):
     def __init__(self, config: RolloutConfig):
         self.config = config
-        cpu_process_layout(config)
-        self.llm = AsyncLLM.from_engine_args(engine_args(config))
+        fork_engine_core = cpu_process_layout(config)
+        self.llm = AsyncLLM.from_engine_args(engine_args(config, fork_engine_core))
         # What sleep() released and wake_up() has not restored yet: vLLM's allocator fails when asked
         # to wake a tag that is already awake, and WakeUp is documented as safe to repeat.
         self.asleep_tags: set[str] = set()

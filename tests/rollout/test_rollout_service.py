@@ -7,6 +7,7 @@ the others compare against the version the engine holds when they start.
 
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
 import threading
@@ -485,3 +486,33 @@ def test_tokens_stream_from_vllm_only_with_partial_rollout(tiny_model_dir):
     plain = parse_config(RolloutConfig, ["--pretrain", str(tiny_model_dir)])
     reason = VllmEngine.pause_unsupported_reason(types.SimpleNamespace(config=plain, llm=None))
     assert "--partial_rollout" in reason and "fix" in reason
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def _where_loaded(pid: int, library: str) -> str:
+    """The address range of the library's first mapping in the process."""
+    for line in pathlib.Path(f"/proc/{pid}/maps").read_text().splitlines():
+        if line.endswith(library) or f"/{library}" in line:
+            return line.split()[0]
+    raise AssertionError(f"{library} is not mapped in process {pid}")
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/sys/kernel/randomize_va_space").exists()
+                    or pathlib.Path("/proc/sys/kernel/randomize_va_space").read_text().strip() == "0",
+                    reason="tells a fork from a new process by address-space randomisation (Linux, on)")
+def test_the_engine_core_is_forked_not_spawned_on_the_cpu(vllm_rollout):
+    """With one worker inside vLLM's engine-core process (tensor parallel 1 on the CPU), that process
+    is forked from the service, as on a GPU, instead of spawned (a new interpreter importing torch,
+    transformers and vLLM again). A forked process keeps its parent's address space layout; a new
+    one has its libraries placed at random addresses of its own."""
+    service = vllm_rollout.proc.pid
+    library = "libtorch_cpu.so"
+    children = [c for c in _children(service) if library in pathlib.Path(f"/proc/{c}/maps").read_text()]
+    assert len(children) == 1, children  # the engine core (a spawned one has a resource tracker beside it)
+    assert _where_loaded(children[0], library) == _where_loaded(service, library)
