@@ -25,6 +25,8 @@ from services.common.crash_points import Entry, claim_file, parse_entries
 POINTS: dict[str, str] = {
     "rollout.generate.started": "a rollout engine logged generate.start for a Generate call (call: its request id) "
                                 "and has produced no sample of it",
+    "rollout.generate.finished": "a rollout engine sent the last sample of a Generate call (call: its request id) "
+                                 "and has not ended the call",
     "learner.train.started": "the learner took TrainActor (call: its request id, 'step<N>') and has not begun "
                              "the first micro-batch",
 }

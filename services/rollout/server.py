@@ -226,6 +226,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                         raise
                     finally:
                         self._generating.discard(task)
+                    await hold_points.hold("rollout.generate.finished", tag)
                     log_event(log, "generate.done", request_id=tag, samples=done)
             finally:
                 if waiting:

@@ -171,8 +171,16 @@ async def run(config: CoordinatorConfig) -> int:
         control.finish()
         log_event(_log, "run.done", step=control.global_step, run_dir=str(run_dir))
     except asyncio.CancelledError:
-        control.finish(f"interrupted by {signal.Signals(interrupted[0]).name if interrupted else 'cancellation'}")
-        code = 130
+        if not interrupted and main_task.cancelling() == 0:
+            # Not a stop signal: a call inside the run was cancelled and the cancellation reached the
+            # run (a defect, not a user's stop): a failed run with the traceback, not an interruption.
+            control.finish("CancelledError: a call inside the run was cancelled")
+            log_event(_log, "run.failed", level=40, error="CancelledError: a call inside the run was cancelled")
+            _log.exception("the run failed")
+            code = 1
+        else:
+            control.finish(f"interrupted by {signal.Signals(interrupted[0]).name if interrupted else 'cancellation'}")
+            code = 130
     except Exception as exc:  # noqa: BLE001 - reported, services stopped, non-zero exit
         control.finish(f"{type(exc).__name__}: {exc}")
         log_event(_log, "run.failed", level=40, error=f"{type(exc).__name__}: {exc}")

@@ -97,8 +97,10 @@ class RolloutPool:
         return engine
 
     async def remove(self, engine: Engine) -> None:
+        """Out of the pool; calls still open on it end first (a Generate whose last sample arrived
+        still has its status to read: closing without a grace would cancel it, and with it the step)."""
         self.engines.remove(engine)
-        await engine.channel.close()
+        await engine.channel.close(grace=self.timeout_s)
 
     def engine(self, index: int) -> Engine:
         return next(e for e in self.engines if e.index == index)
