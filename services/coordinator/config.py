@@ -110,6 +110,8 @@ class CoordinatorConfig(ServerConfig):
     num_episodes: int = opt(1, "passes over the prompt data")
     max_steps: int = opt(0, "stop after this global step; 0 = run all episodes")
     max_samples: int = opt(1_000_000_000, "use at most this many prompts from the data")
+    shuffle_prompts: bool = opt(True, "shuffle the prompts (by --seed) for each episode; --no-shuffle_prompts takes "
+                                      "them in the order of the data every episode")
     prompt_max_len: int = opt(1024, "prompts longer than this many tokens are skipped (counted in the log)")
     generate_max_len: int = opt(1024, "most tokens generated per response")
 
@@ -120,6 +122,8 @@ class CoordinatorConfig(ServerConfig):
     actor_learning_rate: float = flags.ACTOR_LEARNING_RATE.field(1e-6)
     critic_learning_rate: float = flags.CRITIC_LEARNING_RATE.field(9e-6)
     lr_warmup_ratio: float = flags.LR_WARMUP_RATIO.field(0.03)
+    lr_warmup_steps: int = opt(0, "warm up over this many global steps instead of --lr_warmup_ratio of the run "
+                                  "(veRL's lr_warmup_steps; at most the whole run); 0: the ratio")
     lr_scheduler: str = flags.LR_SCHEDULER.field("cosine_with_min_lr")
     max_norm: float = flags.MAX_NORM.field(1.0)
     l2: float = flags.L2.field(0.0)
@@ -551,6 +555,8 @@ class CoordinatorConfig(ServerConfig):
             raise ConfigError(f"--max_norm {self.max_norm} must be >= 0 (0 disables clipping)")
         if not 0 <= self.lr_warmup_ratio < 1:
             raise ConfigError(f"--lr_warmup_ratio {self.lr_warmup_ratio} must be in [0, 1)")
+        if self.lr_warmup_steps < 0:
+            raise ConfigError(f"--lr_warmup_steps {self.lr_warmup_steps} must be >= 0 (0: --lr_warmup_ratio applies)")
         # The actor's adapter, checked against --pretrain before any service starts (the critic trains in full).
         check_lora(self.lora_rank, self.lora_alpha, self.target_modules, self.lora_dropout,
                    self.pretrain if self.pretrain and pathlib.Path(self.pretrain, "config.json").is_file() else "")

@@ -73,3 +73,33 @@ def test_stream_refills_cross_episodes():
     stream.next_batch(8)
     extra = stream.next_batch(5, whole=False)
     assert len(extra) == 5 and extra[-1].uid.startswith("e2-")
+
+
+def test_prompts_in_file_order_without_shuffle(tiny_model_dir, tmp_path):
+    """--no-shuffle_prompts (veRL's data.shuffle=False): every episode takes the prompts in the order of
+    the data; the default shuffles them by the seed, episode 1 and the later ones."""
+    import transformers
+
+    from services.common.config import build_parser, config_from_args
+    from services.coordinator.config import CoordinatorConfig
+    from services.coordinator.loop.data import build_prompt_stream
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(12)))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def labels(*flags) -> list[list[str]]:
+        argv = ["--placement", "local", "--device", "cpu", "--pretrain", str(tiny_model_dir), "--prompt_data",
+                str(data), "--reward_func", "math", "--label_key", "label", "--rollout_batch_size", "4",
+                "--n_samples_per_prompt", "2", "--train_batch_size", "8", "--micro_train_batch_size", "2",
+                "--advantage_estimator", "group_norm", "--num_episodes", "2", "--input_key", "prompt", *flags]
+        config = config_from_args(CoordinatorConfig, build_parser(CoordinatorConfig).parse_args(argv))
+        stream = build_prompt_stream(config, tokenizer)
+        return [[p.label for p in stream.next_batch(4)] for _ in range(6)]
+
+    in_order = [str(i + 1) for i in range(12)]
+    batches = labels("--no-shuffle_prompts")
+    assert sum(batches[:3], []) == in_order and sum(batches[3:], []) == in_order
+    shuffled = labels()
+    assert sorted(sum(shuffled[:3], []), key=int) == in_order
+    assert sum(shuffled[:3], []) != in_order and sum(shuffled[3:], []) != sum(shuffled[:3], [])

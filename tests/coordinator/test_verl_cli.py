@@ -13,7 +13,7 @@ import pytest
 
 from services.common.config import ConfigError, parse_config
 from services.coordinator.config import CoordinatorConfig
-from services.coordinator.cli.verl_cli import parse_overrides, translate
+from services.coordinator.cli.verl_cli import parse_overrides, read_command, translate
 from tests.coordinator.conftest import finish, read_metrics, start_coordinator
 
 
@@ -128,17 +128,118 @@ def test_a_verl_grpo_command_becomes_the_same_rlmesh_run(tiny_model_dir, tiny_re
     (["trainer.critic_warmup=5"], "trainer.critic_warmup=5: training the critic alone"),
     (["actor_rollout_ref.model.lora_rank=-1"], "lora_rank=-1 must be >= 0"),
     (["actor_rollout_ref.rollout.do_sample=False"], "greedy rollouts are not supported"),
-    (["data.shuffle=False"], "data.shuffle=False"),
+    (["trainer.nnodes="], "trainer.nnodes='': expected a whole number"),
+    (["actor_rollout_ref.rollout.n=2.5"], "actor_rollout_ref.rollout.n=2.5: expected a whole number"),
+    (["trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.ppo_micro_batch_size=2"],
+     "ppo_micro_batch_size=2 counts samples over all 4 GPUs"),
+    (["--config-name=ppo_megatron_trainer"], "Megatron is not supported"),
+    (["--config-path", "/nowhere", "--config-name", "mine"], "no mine.yaml in --config-path /nowhere"),
+    (["-cn"], "-cn: give a value"),
     (["reward_model.reward_manager=prime"], "reward_model.reward_manager=prime"),
     (["actor_rollout_ref.actor.optim.min_lr_ratio=0.2"], "min_lr_ratio=0.2"),
 ])
 def test_what_cannot_run_here_is_named(args, words):
     with pytest.raises(ConfigError, match=None) as err:
-        overrides, _ = parse_overrides(["data.train_files=t.parquet", "actor_rollout_ref.model.path=m", *args])
+        overrides, _ = read_command(["data.train_files=t.parquet", "actor_rollout_ref.model.path=m", *args])
         translate(overrides)
     assert words in str(err.value)
     with pytest.raises(ConfigError, match="data.train_files: required"):
         translate(parse_overrides(["actor_rollout_ref.model.path=m"])[0])
+
+
+def test_older_keys_no_shuffle_and_warmup_steps(tiny_model_dir):
+    """veRL's global micro-batch keys (divided among the GPUs as veRL does), data.shuffle=False and
+    optim.lr_warmup_steps, as veRL's LoRA tuning scripts and large-model scripts give them."""
+    from services.coordinator.fleet.placement import learner_argv, warmup_ratio
+
+    base = ["data.train_files=t.parquet", f"actor_rollout_ref.model.path={tiny_model_dir}", "trainer.logger=console",
+            "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+            "actor_rollout_ref.rollout.n=4", "data.train_batch_size=64", "actor_rollout_ref.actor.ppo_mini_batch_size=64"]
+    cfg, ignored, _ = config_of([*base, "actor_rollout_ref.actor.ppo_micro_batch_size=64",
+                                 "actor_rollout_ref.rollout.log_prob_micro_batch_size=64"])
+    assert (cfg.train_batch_size, cfg.micro_train_batch_size, cfg.micro_rollout_batch_size) == (256, 32, 32)
+    assert not any("micro_batch_size" in k for k in ignored)
+    # The per-GPU key wins where both are given.
+    cfg, _, _ = config_of([*base, "actor_rollout_ref.actor.ppo_micro_batch_size=64",
+                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"])
+    assert cfg.micro_train_batch_size == 4
+    assert config_of(base)[0].shuffle_prompts
+    cfg, _, line = config_of([*base, "data.shuffle=False"])
+    assert not cfg.shuffle_prompts and "--no-shuffle_prompts" in line
+    # Warm-up: a count of training steps wins over the ratio; 0 is none; veRL's -1 leaves the ratio.
+    cfg, _, _ = config_of([*base, "actor_rollout_ref.actor.optim.lr_warmup_steps=10",
+                           "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.5"])
+    assert cfg.lr_warmup_steps == 10 and warmup_ratio(cfg, 40) == 0.25 and warmup_ratio(cfg, 5) < 1
+    assert "--lr_warmup_ratio 0.25" in " ".join(learner_argv(cfg, 40, 2))
+    cfg, _, _ = config_of([*base, "actor_rollout_ref.actor.optim.lr_warmup_steps=0",
+                           "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.5"])
+    assert (cfg.lr_warmup_steps, cfg.lr_warmup_ratio) == (0, 0.0)
+    cfg, _, _ = config_of([*base, "actor_rollout_ref.actor.optim.lr_warmup_steps=-1",
+                           "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.5"])
+    assert (cfg.lr_warmup_steps, warmup_ratio(cfg, 40)) == (0, 0.5)
+
+
+MY_CONFIG = """
+hydra:
+  searchpath:
+    - file://verl/trainer/config
+defaults:
+  - ppo_trainer
+  - base_of_mine
+  - _self_
+data:
+  train_batch_size: 16
+  max_response_length: 96
+actor_rollout_ref:
+  actor:
+    ppo_mini_batch_size: 8
+    ppo_micro_batch_size_per_gpu: ${actor_rollout_ref.rollout.n}
+    optim:
+      lr: 3e-6
+  rollout:
+    n: 4
+    max_num_batched_tokens: ${data.max_response_length}
+trainer:
+  project_name: from_my_file
+"""
+
+
+def test_a_config_file_of_the_users_own(tiny_model_dir, tmp_path):
+    """`--config-path DIR --config-name NAME`: the file's keys (and those of the files its defaults list
+    names) as overrides, the command line's key=value over them, interpolations resolved."""
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "mine.yaml").write_text(MY_CONFIG)
+    (tmp_path / "conf" / "base_of_mine.yaml").write_text(
+        "algorithm:\n  adv_estimator: grpo\ndata:\n  train_batch_size: 999\n")
+    args = ["data.train_files=t.parquet", f"actor_rollout_ref.model.path={tiny_model_dir}", "trainer.logger=console",
+            "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.tensor_model_parallel_size=1"]
+    for options in (["--config-path", str(tmp_path / "conf"), "--config-name", "mine"],
+                    [f"--config-path={tmp_path / 'conf'}", "--config-name=mine.yaml"],
+                    ["-cp", str(tmp_path / "conf"), "-cn", "mine"]):
+        overrides, flags = read_command([*options, *args, "actor_rollout_ref.actor.optim.lr=2e-6"])
+        assert flags == []
+        argv, ignored = translate(overrides)
+        with pytest.warns():
+            cfg = parse_config(CoordinatorConfig, argv)
+        assert (cfg.advantage_estimator, cfg.rollout_batch_size, cfg.n_samples_per_prompt) == ("group_norm", 16, 4)
+        assert (cfg.train_batch_size, cfg.micro_train_batch_size, cfg.generate_max_len) == (32, 4, 96)
+        assert cfg.vllm_max_num_batched_tokens == 96 and cfg.wandb_project == "from_my_file"
+        assert cfg.actor_learning_rate == 2e-6  # the command line wins over the file
+        assert ignored == []
+    # veRL's own config names need no file; a Megatron group in a user's defaults is refused by name.
+    assert read_command(["--config-name=ppo_trainer", *args])[0] == read_command(args)[0]
+    (tmp_path / "conf" / "mega.yaml").write_text("defaults:\n  - ppo_trainer\n  - actor@actor_rollout_ref.actor: "
+                                                  "megatron_actor\n")
+    with pytest.raises(ConfigError, match="megatron_actor: Megatron is not supported"):
+        read_command(["-cp", str(tmp_path / "conf"), "-cn", "mega", *args])
+    # An interpolation that names nothing known, on a key that matters, asks for the value.
+    (tmp_path / "conf" / "bad.yaml").write_text("actor_rollout_ref:\n  rollout:\n    n: ${oc.env:N}\n")
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.rollout.n=\$\{oc.env:N\}: .*give "
+                                          "actor_rollout_ref.rollout.n=VALUE"):
+        read_command(["-cp", str(tmp_path / "conf"), "-cn", "bad", *args])
+    (tmp_path / "conf" / "bad.yaml").write_text("data: [1, 2\n")
+    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
+        read_command(["-cp", str(tmp_path / "conf"), "-cn", "bad", *args])
 
 
 VERL_REWARD = '''

@@ -3,7 +3,8 @@
 veRL's trainer (`python3 -m verl.trainer.main_ppo`) takes Hydra overrides such as
 `algorithm.adv_estimator=grpo data.train_files=train.parquet actor_rollout_ref.rollout.n=5`. This
 entry point reads the same overrides, starts from veRL's defaults where they differ from rlmesh's
-(KL off, dual-clip c = 3, learning rate 1e-6, weight decay 0.01, enforce_eager, 30 epochs, ...),
+(KL off, dual-clip c = 3, learning rate 1e-6, weight decay 0.01, enforce_eager, 30 epochs, ...), or
+from a config file of the user's (`--config-path DIR --config-name NAME`, verl_config_file.py),
 and runs the coordinator with the equivalent rlmesh flags, which it logs in full (`verl.translated`)
 so that the run can be repeated with `rlmesh train`. Arguments that start with `--` are rlmesh
 flags and are passed on as they are, after the translated ones (they win).
@@ -36,6 +37,8 @@ from collections.abc import Callable
 import yaml
 
 from services.common.config import ConfigError
+from services.coordinator.cli.verl_config_file import config_file_overrides, resolve_interpolations, \
+    split_hydra_options
 
 A, R = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout."
 
@@ -75,10 +78,8 @@ REFUSED: dict[str, tuple[tuple[object, ...], str]] = {
     R + "do_sample": ((True,), "greedy rollouts are not supported; sampling is set by rollout.temperature"),
     R + "ignore_eos": ((False,), "responses end at the end-of-sequence token"),
     "algorithm.use_pf_ppo": ((False,), "preference-feedback PPO (sample reweighting) is not supported"),
-    A + "optim.lr_warmup_steps": ((-1, None), "give the warm-up as actor_rollout_ref.actor.optim.lr_warmup_steps_ratio"),
     A + "optim.min_lr_ratio": ((None, 0.0), "rlmesh's cosine schedule ends at 0.1 x the peak learning rate; use "
                                             "actor_rollout_ref.actor.optim.warmup_style=constant, or the rlmesh flags"),
-    "data.shuffle": ((True,), "rlmesh shuffles the prompts with data.seed"),
     "reward_model.reward_manager": (("naive", "batch"), "rlmesh calls the reward function per sample "
                                                         "(compute_score) or per batch (compute_score with lists) as "
                                                         "veRL's naive and batch managers do; DAPO's overlong penalty "
@@ -93,7 +94,8 @@ READ = set(DEFAULTS) | {
     "actor_rollout_ref.model.enable_gradient_checkpointing", "actor_rollout_ref.model.use_remove_padding",
     "actor_rollout_ref.model.use_liger", "actor_rollout_ref.model.lora_rank", "actor_rollout_ref.model.lora_alpha",
     "actor_rollout_ref.model.target_modules", A + "ppo_micro_batch_size_per_gpu", A + "clip_ratio_low",
-    A + "use_dynamic_bsz", A + "ppo_max_token_len_per_gpu",
+    A + "use_dynamic_bsz", A + "ppo_max_token_len_per_gpu", A + "ppo_micro_batch_size", R + "log_prob_micro_batch_size",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size",
     A + "clip_ratio_high", A + "strategy", A + "fsdp_config.optimizer_offload", A + "policy_loss.loss_mode",
     R + "max_num_batched_tokens", R + "max_num_seqs", R + "log_prob_micro_batch_size_per_gpu",
     R + "multi_turn.enable", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
@@ -101,7 +103,8 @@ READ = set(DEFAULTS) | {
     "custom_reward_function.path", "algorithm.filter_groups.enable", "algorithm.filter_groups.max_num_gen_batches",
     "reward_model.overlong_buffer.enable", "reward_model.overlong_buffer.len",
     "reward_model.overlong_buffer.penalty_factor", "trainer.total_training_steps", "trainer.default_local_dir",
-    "trainer.max_actor_ckpt_to_keep", "ray_init.num_cpus", "trainer.remove_clip", *REFUSED,
+    "trainer.max_actor_ckpt_to_keep", "ray_init.num_cpus", "trainer.remove_clip", "data.shuffle",
+    A + "optim.lr_warmup_steps", *REFUSED,
 }
 
 
@@ -132,6 +135,15 @@ def parse_overrides(args: list[str]) -> tuple[dict[str, object], list[str]]:
     return values, flags
 
 
+def read_command(args: list[str]) -> tuple[dict[str, object], list[str]]:
+    """The overrides of a veRL command (its config file's keys, then key=value, which win), interpolations
+    resolved, and the rlmesh `--` flags."""
+    config_path, config_name, rest = split_hydra_options(args)
+    overrides, flags = parse_overrides(rest)
+    merged = {**config_file_overrides(config_path, config_name), **overrides}
+    return resolve_interpolations(merged, DEFAULTS, READ), flags
+
+
 def translate(overrides: dict[str, object]) -> tuple[list[str], list[str]]:
     """veRL overrides -> (rlmesh coordinator argv, keys given that have no effect here)."""
     # key=null on a key with a default means the default (veRL reads null as "not set" there).
@@ -148,6 +160,15 @@ def translate(overrides: dict[str, object]) -> tuple[list[str], list[str]]:
         if v.get(key) in (None, ""):
             raise ConfigError(f"{key}: required (veRL has no usable default for it); give {key}=...")
         return v[key]
+
+    def whole(key: str) -> int:
+        value = get(key)
+        try:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={value!r}: expected a whole number (e.g. {DEFAULTS.get(key, 1)})") from None
 
     def one_of(key: str, table: dict[str, str], what: str) -> str:
         value = str(get(key))
@@ -177,20 +198,35 @@ def translate(overrides: dict[str, object]) -> tuple[list[str], list[str]]:
     flag("generate_max_len", get("data.max_response_length"))
     if get("data.seed") is not None:
         flag("seed", get("data.seed"))
+    if get("data.shuffle") is False:  # the prompts in the files' order, every epoch
+        flag("no-shuffle_prompts")
 
     # Batch sizes: prompts per step and per optimizer step in veRL, samples in rlmesh.
-    n = int(get(R + "n"))
+    n = whole(R + "n")
     flag("n_samples_per_prompt", n)
     flag("rollout_batch_size", get("data.train_batch_size"))
-    flag("train_batch_size", int(get(A + "ppo_mini_batch_size")) * n)
-    if get(A + "ppo_micro_batch_size_per_gpu"):
-        flag("micro_train_batch_size", get(A + "ppo_micro_batch_size_per_gpu"))
+    flag("train_batch_size", whole(A + "ppo_mini_batch_size") * n)
+    world = whole("trainer.nnodes") * whole("trainer.n_gpus_per_node")
+
+    def per_gpu(key: str) -> object:
+        """key_per_gpu, or veRL's older key (a count over every GPU, divided among them as veRL does)."""
+        if get(key + "_per_gpu"):
+            return get(key + "_per_gpu")
+        if get(key) in (None, ""):
+            return None
+        if whole(key) < world:
+            raise ConfigError(f"{key}={get(key)} counts samples over all {world} GPUs (trainer.nnodes x "
+                              f"trainer.n_gpus_per_node): give at least {world}, or {key}_per_gpu")
+        return whole(key) // world
+
+    if per_gpu(A + "ppo_micro_batch_size"):
+        flag("micro_train_batch_size", per_gpu(A + "ppo_micro_batch_size"))
     if get(A + "use_dynamic_bsz"):  # micro-batches of up to ppo_max_token_len_per_gpu tokens
         flag("use_dynamic_batch")
         if get(A + "ppo_max_token_len_per_gpu"):
             flag("train_max_tokens_per_gpu", get(A + "ppo_max_token_len_per_gpu"))
-    log_prob_micro = get(R + "log_prob_micro_batch_size_per_gpu") or get(
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu")
+    log_prob_micro = per_gpu(R + "log_prob_micro_batch_size") or per_gpu(
+        "actor_rollout_ref.ref.log_prob_micro_batch_size")
     if log_prob_micro:
         flag("micro_rollout_batch_size", log_prob_micro)
     flag("max_epochs", get(A + "ppo_epochs"))
@@ -210,7 +246,7 @@ def translate(overrides: dict[str, object]) -> tuple[list[str], list[str]]:
     if get(A + "fsdp_config.optimizer_offload"):
         flag("adam_offload")
     # LoRA on the actor; veRL reads lora_alpha and target_modules only with lora_rank > 0.
-    lora_rank = int(get("actor_rollout_ref.model.lora_rank") or 0)
+    lora_rank = whole("actor_rollout_ref.model.lora_rank") if get("actor_rollout_ref.model.lora_rank") else 0
     if lora_rank < 0:
         raise ConfigError(f"actor_rollout_ref.model.lora_rank={lora_rank} must be >= 0 (0 = no LoRA; e.g. 32)")
     if lora_rank > 0:
@@ -220,8 +256,10 @@ def translate(overrides: dict[str, object]) -> tuple[list[str], list[str]]:
         targets = get("actor_rollout_ref.model.target_modules")
         if targets:
             flag("target_modules", [str(t) for t in targets] if isinstance(targets, list) else str(targets).split(","))
-    nodes, gpus = int(get("trainer.nnodes")), int(get("trainer.n_gpus_per_node"))
-    tp = int(get(R + "tensor_model_parallel_size"))
+    nodes, gpus = whole("trainer.nnodes"), whole("trainer.n_gpus_per_node")
+    if nodes < 1 or gpus < 1:
+        raise ConfigError(f"trainer.nnodes={nodes}, trainer.n_gpus_per_node={gpus}: each must be >= 1")
+    tp = whole(R + "tensor_model_parallel_size")
     if (nodes * gpus) % tp:
         raise ConfigError(f"{R}tensor_model_parallel_size={tp} does not divide the {nodes * gpus} GPUs of "
                           "trainer.nnodes x trainer.n_gpus_per_node")
@@ -255,6 +293,13 @@ def translate(overrides: dict[str, object]) -> tuple[list[str], list[str]]:
     flag("lambd", get("algorithm.lam"))
     flag("actor_learning_rate", get(A + "optim.lr"))
     flag("lr_warmup_ratio", get(A + "optim.lr_warmup_steps_ratio"))
+    # veRL's lr_warmup_steps: a count of training steps that wins over the ratio (0: no warm-up; negative,
+    # its default -1: the ratio applies).
+    warmup_steps = whole(A + "optim.lr_warmup_steps") if get(A + "optim.lr_warmup_steps") is not None else -1
+    if warmup_steps > 0:
+        flag("lr_warmup_steps", warmup_steps)
+    elif warmup_steps == 0:
+        flag("lr_warmup_ratio", 0)
     flag("lr_scheduler", one_of(A + "optim.warmup_style", {"constant": "constant_with_warmup",
                                                            "cosine": "cosine_with_min_lr"}, "learning-rate schedule"))
     flag("l2", get(A + "optim.weight_decay"))
@@ -322,7 +367,7 @@ def translate(overrides: dict[str, object]) -> tuple[list[str], list[str]]:
     flag("num_episodes", get("trainer.total_epochs"))
     if get("trainer.total_training_steps"):
         flag("max_steps", get("trainer.total_training_steps"))
-    if int(get("trainer.save_freq")) <= 0:
+    if whole("trainer.save_freq") <= 0:
         # veRL's -1: no checkpoints at all (the final model is still written to default_local_dir/final).
         flag("save_steps", -1)
         flag("disable_ds_ckpt")
@@ -365,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0
     try:
-        overrides, flags = parse_overrides(args)
+        overrides, flags = read_command(args)
         translated, ignored = translate(overrides)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)

@@ -106,12 +106,21 @@ def learner_optimizer_steps(cfg: CoordinatorConfig, total_steps: int) -> int:
     return max(1, total_steps * cfg.samples_per_step() // cfg.train_batch_size * cfg.max_epochs)
 
 
+def warmup_ratio(cfg: CoordinatorConfig, total_steps: int) -> float:
+    """The learner's warm-up as a fraction of the run: --lr_warmup_steps global steps of total_steps (the
+    learner counts optimizer steps, so a fraction keeps the meaning), or --lr_warmup_ratio. A ratio must stay
+    below 1: warm-up steps beyond the run warm up over all of it."""
+    if cfg.lr_warmup_steps <= 0:
+        return cfg.lr_warmup_ratio
+    return min(cfg.lr_warmup_steps / max(total_steps, 1), 1 - 1e-9)
+
+
 def learner_argv(cfg: CoordinatorConfig, total_steps: int, num_ranks: int) -> list[str]:
     argv = ["--pretrain", cfg.pretrain, "--num_gpus", str(num_ranks),
             "--zero_stage", str(cfg.zero_stage), "--actor_learning_rate", str(cfg.actor_learning_rate),
             "--train_batch_size", str(cfg.train_batch_size), "--micro_train_batch_size", str(cfg.micro_train_batch_size),
             "--micro_forward_batch_size", str(cfg.micro_rollout_batch_size),
-            "--max_norm", str(cfg.max_norm), "--l2", str(cfg.l2), "--lr_warmup_ratio", str(cfg.lr_warmup_ratio),
+            "--max_norm", str(cfg.max_norm), "--l2", str(cfg.l2), "--lr_warmup_ratio", str(warmup_ratio(cfg, total_steps)),
             "--adam_betas", *(str(b) for b in cfg.adam_betas),
             "--lr_scheduler", cfg.lr_scheduler, "--max_steps", str(learner_optimizer_steps(cfg, total_steps)),
             "--max_len", str(cfg.prompt_max_len + cfg.generate_max_len),

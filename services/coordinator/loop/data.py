@@ -30,12 +30,12 @@ class PromptStream:
     """Batches of prompts over `num_episodes` passes; position is (episode, index in the episode)."""
 
     def __init__(self, texts: list[str], token_ids: list[list[int]], labels: list[str], datasources: list[str],
-                 seed: int, num_episodes: int, extra_infos: list[str] | None = None):
+                 seed: int, num_episodes: int, extra_infos: list[str] | None = None, shuffle: bool = True):
         if not texts:
             raise ValueError("no prompts to train on")
         self.texts, self.token_ids, self.labels, self.datasources = texts, token_ids, labels, datasources
         self.extra_infos = extra_infos or [""] * len(texts)
-        self.seed, self.num_episodes = seed, num_episodes
+        self.seed, self.num_episodes, self.shuffle = seed, num_episodes, shuffle
         self.episode, self.position = 1, 0
         self._order = self._episode_order(1)
 
@@ -43,9 +43,9 @@ class PromptStream:
         return len(self.texts)
 
     def _episode_order(self, episode: int) -> list[int]:
-        # Episode 1 keeps the loader's (already seeded) order; later episodes reshuffle.
+        # Episode 1 keeps the loader's (already seeded) order; later episodes reshuffle (unless no shuffle).
         order = list(range(len(self.texts)))
-        if episode > 1:
+        if episode > 1 and self.shuffle:
             random.Random(self.seed * 1_000_003 + episode).shuffle(order)
         return order
 
@@ -99,9 +99,9 @@ def build_prompt_stream(config, tokenizer) -> PromptStream:
     rows = load_prompts(config.prompt_data, probs=config.prompt_data_probs or None, input_key=config.input_key,
                         label_key=config.label_key, tokenizer=tokenizer, apply_chat_template=config.apply_chat_template,
                         input_template=config.input_template or None, max_len=config.prompt_max_len,
-                        max_samples=config.max_samples, seed=config.seed)
+                        max_samples=config.max_samples, seed=config.seed, shuffle=config.shuffle_prompts)
     texts = [r.prompt for r in rows]
     # The chat template already wrote any special tokens; a plain prompt gets the tokenizer's own.
     encoded = tokenizer(texts, add_special_tokens=not config.apply_chat_template)["input_ids"]
     return PromptStream(texts, encoded, [r.label for r in rows], [r.datasource for r in rows],
-                        config.seed, config.num_episodes, [r.extra_info for r in rows])
+                        config.seed, config.num_episodes, [r.extra_info for r in rows], config.shuffle_prompts)
