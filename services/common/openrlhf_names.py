@@ -296,10 +296,9 @@ NAMES: dict[str, Rule | tuple[Rule, ...]] = {
     "critic.lr_scheduler": _one_for_both("lr_scheduler", "lr_scheduler"),
     "actor.lr_warmup_ratio": Rename("lr_warmup_ratio"),
     "critic.lr_warmup_ratio": _one_for_both("lr_warmup_ratio", "lr_warmup_ratio"),
-    "actor.min_lr_ratio": (Rename("min_lr_ratio"), Refuse("train_ppo_ray's cosine schedule ends at 0.1 x the peak "
-                                                          "learning rate", default=("0.1",))),
-    "critic.min_lr_ratio": Refuse("train_ppo_ray's cosine schedule ends at 0.1 x the peak learning rate",
-                                  default=("0.1",)),
+    "actor.min_lr_ratio": Rename("min_lr_ratio"),
+    "critic.min_lr_ratio": Refuse("rlmesh's learner uses one --min_lr_ratio for the actor and the critic: give the "
+                                  "actor's (--actor.min_lr_ratio)", default=("0.1",)),
     "actor.max_norm": Rename("max_norm"),
     "critic.max_norm": _one_for_both("max_norm", "max_norm"),
 }

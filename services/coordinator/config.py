@@ -122,6 +122,8 @@ class CoordinatorConfig(ServerConfig):
     actor_learning_rate: float = flags.ACTOR_LEARNING_RATE.field(1e-6)
     critic_learning_rate: float = flags.CRITIC_LEARNING_RATE.field(9e-6)
     lr_warmup_ratio: float = flags.LR_WARMUP_RATIO.field(0.03)
+    min_lr_ratio: float = opt(0.1, "cosine_with_min_lr: the final learning rate as a fraction of the peak "
+                                   "(veRL's cosine ends at 0)")
     lr_warmup_steps: int = opt(0, "warm up over this many global steps instead of --lr_warmup_ratio of the run "
                                   "(veRL's lr_warmup_steps; at most the whole run); 0: the ratio")
     lr_scheduler: str = flags.LR_SCHEDULER.field("cosine_with_min_lr")
@@ -555,6 +557,8 @@ class CoordinatorConfig(ServerConfig):
             raise ConfigError(f"--max_norm {self.max_norm} must be >= 0 (0 disables clipping)")
         if not 0 <= self.lr_warmup_ratio < 1:
             raise ConfigError(f"--lr_warmup_ratio {self.lr_warmup_ratio} must be in [0, 1)")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"--min_lr_ratio {self.min_lr_ratio} must be in [0, 1]")
         if self.lr_warmup_steps < 0:
             raise ConfigError(f"--lr_warmup_steps {self.lr_warmup_steps} must be >= 0 (0: --lr_warmup_ratio applies)")
         # The actor's adapter, checked against --pretrain before any service starts (the critic trains in full).

@@ -136,7 +136,7 @@ def test_a_verl_grpo_command_becomes_the_same_rlmesh_run(tiny_model_dir, tiny_re
     (["--config-path", "/nowhere", "--config-name", "mine"], "no mine.yaml in --config-path /nowhere"),
     (["-cn"], "-cn: give a value"),
     (["reward_model.reward_manager=prime"], "reward_model.reward_manager=prime"),
-    (["actor_rollout_ref.actor.optim.min_lr_ratio=0.2"], "min_lr_ratio=0.2"),
+    (["actor_rollout_ref.actor.optim.lr_scheduler_type=wsd"], "lr_scheduler_type=wsd: rlmesh has no learning-rate"),
 ])
 def test_what_cannot_run_here_is_named(args, words):
     with pytest.raises(ConfigError, match=None) as err:
@@ -174,6 +174,20 @@ def test_older_keys_no_shuffle_and_warmup_steps(tiny_model_dir):
     cfg, _, _ = config_of([*base, "actor_rollout_ref.actor.optim.lr_warmup_steps=0",
                            "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.5"])
     assert (cfg.lr_warmup_steps, cfg.lr_warmup_ratio) == (0, 0.0)
+    # The schedule: lr_scheduler_type, or the deprecated warmup_style over it; veRL's cosine ends at
+    # min_lr_ratio (0 unless set), which reaches the learner.
+    cfg, _, _ = config_of(base)
+    assert (cfg.lr_scheduler, cfg.min_lr_ratio) == ("constant_with_warmup", 0.1)
+    cfg, ignored, _ = config_of([*base, "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine"])
+    assert (cfg.lr_scheduler, cfg.min_lr_ratio) == ("cosine_with_min_lr", 0.0) and not ignored
+    assert "--lr_scheduler cosine_with_min_lr --min_lr_ratio 0.0" in " ".join(learner_argv(cfg, 40, 2))
+    from services.learner.config import LearnerConfig
+    learner = parse_config(LearnerConfig, learner_argv(cfg, 40, 1))
+    assert (learner.lr_scheduler, learner.min_lr_ratio) == ("cosine_with_min_lr", 0.0)
+    cfg, _, _ = config_of([*base, "actor_rollout_ref.actor.optim.lr_scheduler_type=constant",
+                           "actor_rollout_ref.actor.optim.warmup_style=cosine",
+                           "actor_rollout_ref.actor.optim.min_lr_ratio=0.2"])
+    assert (cfg.lr_scheduler, cfg.min_lr_ratio) == ("cosine_with_min_lr", 0.2)
     cfg, _, _ = config_of([*base, "actor_rollout_ref.actor.optim.lr_warmup_steps=-1",
                            "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.5"])
     assert (cfg.lr_warmup_steps, warmup_ratio(cfg, 40)) == (0, 0.5)

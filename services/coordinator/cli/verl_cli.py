@@ -49,7 +49,7 @@ DEFAULTS: dict[str, object] = {
     A + "ppo_mini_batch_size": 256, A + "grad_clip": 1.0, A + "clip_ratio": 0.2, A + "clip_ratio_c": 3.0,
     A + "loss_agg_mode": "token-mean", A + "entropy_coeff": 0.0, A + "use_kl_loss": False,
     A + "kl_loss_coef": 0.001, A + "kl_loss_type": "low_var_kl", A + "ppo_epochs": 1, A + "optim.lr": 1e-6,
-    A + "optim.lr_warmup_steps_ratio": 0.0, A + "optim.warmup_style": "constant", A + "optim.weight_decay": 0.01,
+    A + "optim.lr_warmup_steps_ratio": 0.0, A + "optim.lr_scheduler_type": "constant", A + "optim.weight_decay": 0.01,
     A + "optim.betas": [0.9, 0.999],
     R + "name": "vllm", R + "n": 1, R + "temperature": 1.0, R + "top_p": 1.0, R + "top_k": -1,
     R + "gpu_memory_utilization": 0.5, R + "tensor_model_parallel_size": 2, R + "enforce_eager": True,
@@ -78,8 +78,6 @@ REFUSED: dict[str, tuple[tuple[object, ...], str]] = {
     R + "do_sample": ((True,), "greedy rollouts are not supported; sampling is set by rollout.temperature"),
     R + "ignore_eos": ((False,), "responses end at the end-of-sequence token"),
     "algorithm.use_pf_ppo": ((False,), "preference-feedback PPO (sample reweighting) is not supported"),
-    A + "optim.min_lr_ratio": ((None, 0.0), "rlmesh's cosine schedule ends at 0.1 x the peak learning rate; use "
-                                            "actor_rollout_ref.actor.optim.warmup_style=constant, or the rlmesh flags"),
     "reward_model.reward_manager": (("naive", "batch"), "rlmesh calls the reward function per sample "
                                                         "(compute_score) or per batch (compute_score with lists) as "
                                                         "veRL's naive and batch managers do; DAPO's overlong penalty "
@@ -104,7 +102,7 @@ READ = set(DEFAULTS) | {
     "reward_model.overlong_buffer.enable", "reward_model.overlong_buffer.len",
     "reward_model.overlong_buffer.penalty_factor", "trainer.total_training_steps", "trainer.default_local_dir",
     "trainer.max_actor_ckpt_to_keep", "ray_init.num_cpus", "trainer.remove_clip", "data.shuffle",
-    A + "optim.lr_warmup_steps", *REFUSED,
+    A + "optim.lr_warmup_steps", A + "optim.warmup_style", A + "optim.min_lr_ratio", *REFUSED,
 }
 
 
@@ -300,8 +298,13 @@ def translate(overrides: dict[str, object]) -> tuple[list[str], list[str]]:
         flag("lr_warmup_steps", warmup_steps)
     elif warmup_steps == 0:
         flag("lr_warmup_ratio", 0)
-    flag("lr_scheduler", one_of(A + "optim.warmup_style", {"constant": "constant_with_warmup",
-                                                           "cosine": "cosine_with_min_lr"}, "learning-rate schedule"))
+    # optim.lr_scheduler_type (veRL's name now), or the deprecated warmup_style, which wins where given.
+    schedule_key = A + ("optim.warmup_style" if get(A + "optim.warmup_style") is not None else "optim.lr_scheduler_type")
+    schedule = one_of(schedule_key, {"constant": "constant_with_warmup", "cosine": "cosine_with_min_lr"},
+                      "learning-rate schedule")
+    flag("lr_scheduler", schedule)
+    if schedule == "cosine_with_min_lr":  # veRL's cosine ends at min_lr_ratio of the peak, 0 unless set
+        flag("min_lr_ratio", get(A + "optim.min_lr_ratio") or 0.0)
     flag("l2", get(A + "optim.weight_decay"))
     flag("adam_betas", [str(b) for b in get(A + "optim.betas")])
     flag("max_norm", get(A + "grad_clip"))

@@ -122,7 +122,7 @@ def learner_argv(cfg: CoordinatorConfig, total_steps: int, num_ranks: int) -> li
             "--micro_forward_batch_size", str(cfg.micro_rollout_batch_size),
             "--max_norm", str(cfg.max_norm), "--l2", str(cfg.l2), "--lr_warmup_ratio", str(warmup_ratio(cfg, total_steps)),
             "--adam_betas", *(str(b) for b in cfg.adam_betas),
-            "--lr_scheduler", cfg.lr_scheduler, "--max_steps", str(learner_optimizer_steps(cfg, total_steps)),
+            "--lr_scheduler", cfg.lr_scheduler, "--min_lr_ratio", str(cfg.min_lr_ratio), "--max_steps", str(learner_optimizer_steps(cfg, total_steps)),
             "--max_len", str(cfg.prompt_max_len + cfg.generate_max_len),
             "--max_ckpt_num", str(cfg.max_ckpt_num), "--seed", str(cfg.seed), "--metrics_port", "0"]
     if cfg.critic_needed:
