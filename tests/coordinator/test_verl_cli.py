@@ -128,6 +128,10 @@ def test_a_verl_grpo_command_becomes_the_same_rlmesh_run(tiny_model_dir, tiny_re
     (["trainer.critic_warmup=5"], "trainer.critic_warmup=5: training the critic alone"),
     (["actor_rollout_ref.model.lora_rank=-1"], "lora_rank=-1 must be >= 0"),
     (["actor_rollout_ref.rollout.do_sample=False"], "greedy rollouts are not supported"),
+    (["algorithm.rollout_correction.rollout_is=sequence"], "rollout_is=sequence: rlmesh weights by token"),
+    (["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.bypass_mode=true"],
+     "bypass_mode=True: not supported"),
+    (["algorithm.rollout_correction.rollout_rs=token_k1"], "rollout_rs=token_k1: rejection sampling"),
     (["trainer.nnodes="], "trainer.nnodes='': expected a whole number"),
     (["actor_rollout_ref.rollout.n=2.5"], "actor_rollout_ref.rollout.n=2.5: expected a whole number"),
     (["trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.ppo_micro_batch_size=2"],
@@ -174,6 +178,15 @@ def test_older_keys_no_shuffle_and_warmup_steps(tiny_model_dir):
     cfg, _, _ = config_of([*base, "actor_rollout_ref.actor.optim.lr_warmup_steps=0",
                            "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.5"])
     assert (cfg.lr_warmup_steps, cfg.lr_warmup_ratio) == (0, 0.0)
+    # Truncated importance sampling against the engine's log-probs: veRL's rollout_correction at token
+    # level, or its older tis_imp_ratio_cap.
+    assert not config_of(base)[0].use_tis
+    cfg, ignored, _ = config_of([*base, "algorithm.rollout_correction.rollout_is=token",
+                                 "algorithm.rollout_correction.rollout_is_threshold=3.0"])
+    assert (cfg.use_tis, cfg.tis_cap) == (True, 3.0) and not ignored
+    cfg, _, _ = config_of([*base, "actor_rollout_ref.actor.tis_imp_ratio_cap=2.5"])
+    assert (cfg.use_tis, cfg.tis_cap) == (True, 2.5)
+    assert not config_of([*base, "actor_rollout_ref.actor.tis_imp_ratio_cap=-1"])[0].use_tis
     # The schedule: lr_scheduler_type, or the deprecated warmup_style over it; veRL's cosine ends at
     # min_lr_ratio (0 unless set), which reaches the learner.
     cfg, _, _ = config_of(base)

@@ -102,7 +102,11 @@ READ = set(DEFAULTS) | {
     "reward_model.overlong_buffer.enable", "reward_model.overlong_buffer.len",
     "reward_model.overlong_buffer.penalty_factor", "trainer.total_training_steps", "trainer.default_local_dir",
     "trainer.max_actor_ckpt_to_keep", "ray_init.num_cpus", "trainer.remove_clip", "data.shuffle",
-    A + "optim.lr_warmup_steps", A + "optim.warmup_style", A + "optim.min_lr_ratio", *REFUSED,
+    A + "optim.lr_warmup_steps", A + "optim.warmup_style", A + "optim.min_lr_ratio", A + "tis_imp_ratio_cap",
+    *(f"algorithm.rollout_correction.{k}" for k in ("rollout_is", "rollout_is_threshold", "rollout_rs",
+                                                    "rollout_rs_threshold", "bypass_mode", "loss_type",
+                                                    "rollout_is_batch_normalize")),
+    *REFUSED,
 }
 
 
@@ -344,6 +348,26 @@ def translate(overrides: dict[str, object]) -> tuple[list[str], list[str]]:
             flag("kl_horizon", get("algorithm.kl_ctrl.horizon"))
     else:
         flag("init_kl_coef", 0)  # veRL's default: no KL, no reference model
+    # Importance sampling against the rollout engine's own log-probs: veRL's rollout_correction with
+    # token-level truncated IS (decoupled mode), or its older tis_imp_ratio_cap, is --use_tis.
+    rc = "algorithm.rollout_correction."
+    cap = get(A + "tis_imp_ratio_cap")
+    if get(rc + "rollout_is") not in (None, "", "null"):
+        if str(get(rc + "rollout_is")) != "token":
+            raise ConfigError(f"{rc}rollout_is={get(rc + 'rollout_is')}: rlmesh weights by token (truncated "
+                              "importance sampling, rollout_is=token) only")
+        for key, fine in (("rollout_rs", (None, "", "null")), ("bypass_mode", (None, False)),
+                          ("rollout_is_batch_normalize", (None, False))):
+            if get(rc + key) not in fine:
+                raise ConfigError(f"{rc}{key}={get(rc + key)}: not supported with rlmesh's truncated importance "
+                                  f"sampling (rollout_is=token); leave {rc}{key} at veRL's default")
+        cap = get(rc + "rollout_is_threshold") if get(rc + "rollout_is_threshold") is not None else 2.0
+    elif get(rc + "rollout_rs") not in (None, "", "null"):
+        raise ConfigError(f"{rc}rollout_rs={get(rc + 'rollout_rs')}: rejection sampling of off-policy samples is "
+                          f"not supported; rlmesh has token-level truncated importance sampling ({rc}rollout_is=token)")
+    if cap is not None and float(cap) > 0:
+        flag("use_tis")
+        flag("tis_cap", cap)
     if get("algorithm.filter_groups.enable"):
         flag("dynamic_filtering")
         if get("algorithm.filter_groups.max_num_gen_batches"):
