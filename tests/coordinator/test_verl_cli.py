@@ -132,6 +132,7 @@ def test_a_verl_grpo_command_becomes_the_same_rlmesh_run(tiny_model_dir, tiny_re
     (["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.bypass_mode=true"],
      "bypass_mode=True: not supported"),
     (["algorithm.rollout_correction.rollout_rs=token_k1"], "rollout_rs=token_k1: rejection sampling"),
+    (["data.custom_cls.path=my_data.py", "data.custom_cls.name=MyDataset"], "a dataset class of the user's"),
     (["trainer.nnodes="], "trainer.nnodes='': expected a whole number"),
     (["actor_rollout_ref.rollout.n=2.5"], "actor_rollout_ref.rollout.n=2.5: expected a whole number"),
     (["trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.ppo_micro_batch_size=2"],

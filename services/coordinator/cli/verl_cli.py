@@ -82,6 +82,9 @@ REFUSED: dict[str, tuple[tuple[object, ...], str]] = {
                                                         "(compute_score) or per batch (compute_score with lists) as "
                                                         "veRL's naive and batch managers do; DAPO's overlong penalty "
                                                         "is reward_model.overlong_buffer.*"),
+    "data.custom_cls.path": ((None, ""), "a dataset class of the user's is not loaded here: write the rows as "
+                                         "parquet or JSONL files in veRL's layout (prompt messages, data_source, "
+                                         "reward_model.ground_truth, extra_info) and give them as data.train_files"),
     "custom_reward_function.reward_kwargs": (({}, None), "extra keyword arguments to the reward function are not "
                                                          "passed; give them defaults in the function"),
 }
