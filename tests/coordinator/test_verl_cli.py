@@ -282,10 +282,15 @@ def test_a_verl_command_trains_on_verl_data_with_a_verl_reward_file(tiny_model_d
     train = verl_parquet(tiny_data_dir, tmp_path / "train.parquet")
     reward = tmp_path / "my_reward.py"
     reward.write_text(VERL_REWARD.format(calls=str(tmp_path / "calls.txt")))
-    argv = ["algorithm.adv_estimator=grpo", f"data.train_files={train}", "data.train_batch_size=4",
-            "data.max_prompt_length=64", "data.max_response_length=16", f"actor_rollout_ref.model.path={tiny_model_dir}",
+    # Part of the configuration in a config file of the user's (Hydra's -cp / -cn), the rest as overrides.
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "my_grpo.yaml").write_text(
+        "defaults:\n  - ppo_trainer\n  - _self_\nalgorithm:\n  adv_estimator: grpo\ndata:\n  train_batch_size: 4\n"
+        "  max_prompt_length: 64\n  max_response_length: 16\n  shuffle: false\nactor_rollout_ref:\n  rollout:\n"
+        "    n: 4\n    name: hf\n  actor:\n    optim:\n      lr_scheduler_type: cosine\n      lr_warmup_steps: 1\n")
+    argv = ["-cp", str(tmp_path / "conf"), "-cn", "my_grpo", f"data.train_files={train}",
+            f"actor_rollout_ref.model.path={tiny_model_dir}",
             "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-            "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.name=hf",
             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8", "actor_rollout_ref.model.use_remove_padding=True",
             "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "trainer.n_gpus_per_node=1",
             f"custom_reward_function.path={reward}", "trainer.logger=['console']", "trainer.total_training_steps=1",
@@ -309,7 +314,10 @@ def test_a_verl_command_trains_on_verl_data_with_a_verl_reward_file(tiny_model_d
     for _, truth, info in calls:
         assert set(info) == {"split", "index"} and info["split"] == "train", info
         assert str(rows[info["index"]]["label"]) == truth, (info, truth)
-    assert len({info["index"] for _, _, info in calls}) == 4  # the step's 4 prompts, 4 samples each
+    # The step's 4 prompts, 4 samples each: with data.shuffle false the file's first 4 rows.
+    assert {info["index"] for _, _, info in calls} == {0, 1, 2, 3}
+    assert ("--advantage_estimator group_norm" in output and "--no-shuffle_prompts" in output
+            and "--lr_scheduler cosine_with_min_lr --min_lr_ratio 0.0" in output and "--lr_warmup_steps 1" in output)
     assert (tmp_path / "ckpt" / "final").is_dir()  # the final model, under trainer.default_local_dir
 
 
