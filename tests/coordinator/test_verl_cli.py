@@ -188,6 +188,17 @@ def test_older_keys_no_shuffle_and_warmup_steps(tiny_model_dir):
     cfg, _, _ = config_of([*base, "actor_rollout_ref.actor.tis_imp_ratio_cap=2.5"])
     assert (cfg.use_tis, cfg.tis_cap) == (True, 2.5)
     assert not config_of([*base, "actor_rollout_ref.actor.tis_imp_ratio_cap=-1"])[0].use_tis
+    # DAPO's reward manager with its overlong penalty, as veRL's scripts give it now.
+    dapo = [*base, "reward_model.reward_manager=dapo", "data.max_response_length=64",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.len=16",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.log=False", "+reward_model.reward_kwargs.max_resp_len=64"]
+    cfg, ignored, _ = config_of(dapo)
+    assert (cfg.overlong_buffer_len, cfg.overlong_penalty_factor, cfg.generate_max_len) == (16, 0.5, 64) and not ignored
+    assert config_of([*base, "reward_model.reward_kwargs.overlong_buffer_cfg.enable=False"])[0].overlong_buffer_len == 0
+    with pytest.raises(ConfigError, match="max_resp_len=128 differs from data.max_response_length=64"):
+        config_of([*dapo, "+reward_model.reward_kwargs.max_resp_len=128"])
     # The schedule: lr_scheduler_type, or the deprecated warmup_style over it; veRL's cosine ends at
     # min_lr_ratio (0 unless set), which reaches the learner.
     cfg, _, _ = config_of(base)

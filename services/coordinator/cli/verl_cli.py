@@ -78,16 +78,20 @@ REFUSED: dict[str, tuple[tuple[object, ...], str]] = {
     R + "do_sample": ((True,), "greedy rollouts are not supported; sampling is set by rollout.temperature"),
     R + "ignore_eos": ((False,), "responses end at the end-of-sequence token"),
     "algorithm.use_pf_ppo": ((False,), "preference-feedback PPO (sample reweighting) is not supported"),
-    "reward_model.reward_manager": (("naive", "batch"), "rlmesh calls the reward function per sample "
-                                                        "(compute_score) or per batch (compute_score with lists) as "
-                                                        "veRL's naive and batch managers do; DAPO's overlong penalty "
-                                                        "is reward_model.overlong_buffer.*"),
+    "reward_model.reward_manager": (("naive", "batch", "dapo"), "rlmesh calls the reward function per sample "
+                                                                "(compute_score) or per batch (compute_score with "
+                                                                "lists) as veRL's naive and batch managers do, and "
+                                                                "adds the overlong penalty as its dapo manager does"),
     "data.custom_cls.path": ((None, ""), "a dataset class of the user's is not loaded here: write the rows as "
                                          "parquet or JSONL files in veRL's layout (prompt messages, data_source, "
                                          "reward_model.ground_truth, extra_info) and give them as data.train_files"),
     "custom_reward_function.reward_kwargs": (({}, None), "extra keyword arguments to the reward function are not "
                                                          "passed; give them defaults in the function"),
 }
+
+# DAPO's overlong penalty as veRL's dapo reward manager takes it now (`+reward_model.reward_kwargs...`);
+# reward_model.overlong_buffer.* is the older form.
+OVERLONG = "reward_model.reward_kwargs.overlong_buffer_cfg."
 
 # Keys read by translate(): everything else the user gives is reported as having no effect.
 READ = set(DEFAULTS) | {
@@ -103,7 +107,8 @@ READ = set(DEFAULTS) | {
     "critic.model.path", "critic.optim.lr", "critic.cliprange_value", "reward_model.model.path",
     "custom_reward_function.path", "algorithm.filter_groups.enable", "algorithm.filter_groups.max_num_gen_batches",
     "reward_model.overlong_buffer.enable", "reward_model.overlong_buffer.len",
-    "reward_model.overlong_buffer.penalty_factor", "trainer.total_training_steps", "trainer.default_local_dir",
+    "reward_model.overlong_buffer.penalty_factor", *(OVERLONG + k for k in ("enable", "len", "penalty_factor", "log")),
+    "reward_model.reward_kwargs.max_resp_len", "trainer.total_training_steps", "trainer.default_local_dir",
     "trainer.max_actor_ckpt_to_keep", "ray_init.num_cpus", "trainer.remove_clip", "data.shuffle",
     A + "optim.lr_warmup_steps", A + "optim.warmup_style", A + "optim.min_lr_ratio", A + "tis_imp_ratio_cap",
     *(f"algorithm.rollout_correction.{k}" for k in ("rollout_is", "rollout_is_threshold", "rollout_rs",
@@ -375,9 +380,20 @@ def translate(overrides: dict[str, object]) -> tuple[list[str], list[str]]:
         flag("dynamic_filtering")
         if get("algorithm.filter_groups.max_num_gen_batches"):
             flag("dynamic_filtering_max_rounds", get("algorithm.filter_groups.max_num_gen_batches"))
-    if get("reward_model.overlong_buffer.enable"):
-        flag("overlong_buffer_len", get("reward_model.overlong_buffer.len"))
-        flag("overlong_penalty_factor", get("reward_model.overlong_buffer.penalty_factor") or 1.0)
+    for prefix in ("reward_model.overlong_buffer.", OVERLONG):
+        if get(prefix + "enable"):
+            if get(prefix + "len") in (None, ""):
+                raise ConfigError(f"{prefix}enable=True without {prefix}len: give the buffer's length in tokens")
+            flag("overlong_buffer_len", whole(prefix + "len"))
+            flag("overlong_penalty_factor", get(prefix + "penalty_factor") or 1.0)
+            # The penalty starts max_resp_len - len tokens in; rlmesh's max_resp_len is data.max_response_length.
+            max_resp_len = get("reward_model.reward_kwargs.max_resp_len")
+            if max_resp_len not in (None, "") and whole("reward_model.reward_kwargs.max_resp_len") != whole(
+                    "data.max_response_length"):
+                raise ConfigError(f"reward_model.reward_kwargs.max_resp_len={max_resp_len} differs from "
+                                  f"data.max_response_length={get('data.max_response_length')}: rlmesh measures the "
+                                  "overlong penalty against the generation limit; give both the same value")
+            break
 
     # The critic (gae) and the reward.
     if get("critic.model.path"):
