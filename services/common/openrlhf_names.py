@@ -312,7 +312,8 @@ for _name, _default in (("critic.adam.weight_decay", "0.0"), ("critic.lr_schedul
     NAMES[_name] = dataclasses.replace(NAMES[_name], default=(_default,))
 
 # With --train.async_enable OpenRLHF colocates only the DeepSpeed models under --train.colocate_all: the vLLM
-# engines generate on GPUs of their own while the learner trains.
+# engines generate on GPUs of their own while the learner trains (--ds.enable_sleep still offloads the
+# learner's states between its trainings, as without async).
 ASYNC_RULES: dict[str, Rule] = {
     "train.colocate_all": Rename("colocate_actor_ref", lambda values: ["--colocate_actor_ref",
                                                                         "--colocate_critic_reward"]),

@@ -315,6 +315,8 @@ class CoordinatorConfig(ServerConfig):
         return max(1, self.vllm_num_engines * self.vllm_tensor_parallel_size // self.actor_gpus())
 
     def samples_per_step(self) -> int:
+    reward_service_needed: bool = opt(True, "a reward service scores the samples (not when an agent's own rewards "
+                                      "are the rewards)", derived=True)
         return self.rollout_batch_size * self.n_samples_per_prompt
 
     def validate(self) -> None:
@@ -347,6 +349,7 @@ class CoordinatorConfig(ServerConfig):
     def _resolve_placement(self) -> None:
         env_lists = {"rollout_addresses": "RLMESH_ROLLOUT_ADDRESSES", "reward_addresses": "RLMESH_REWARD_ADDRESSES",
                      "ref_addresses": "RLMESH_REF_ADDRESSES"}
+        self._async_colocation()
         for name, env in env_lists.items():
             if not getattr(self, name) and os.environ.get(env):
                 setattr(self, name, [a.strip() for a in os.environ[env].split(",") if a.strip()])
@@ -387,11 +390,7 @@ class CoordinatorConfig(ServerConfig):
                 if path and not pathlib.Path(path).is_dir():
                     raise ConfigError(f"--{name} {path}: no such folder; rlmesh does not download models, "
                                       "give a local folder in Hugging Face format")
-        sources = [n for n in ("reward_pretrain", "remote_rm_url", "reward_func") if getattr(self, n)]
-        if self.placement != "static" or not self.reward_addresses:
-            if len(sources) != 1:
-                raise ConfigError("give exactly one reward source: --reward_pretrain DIR, --remote_rm_url URL|file.py "
-                                  f"or --reward_func math|exact_match|format (got {sources or 'none'})")
+        self._check_reward_sources()
         rules = [r.strip() for r in self.reward_func.split(",") if r.strip()]
         if any(r not in ("math", "simplerl_math", "exact_match", "format") for r in rules):
             raise ConfigError(f"--reward_func {self.reward_func}: use math, simplerl_math, exact_match or format "
@@ -399,7 +398,7 @@ class CoordinatorConfig(ServerConfig):
         if any(r in ("math", "simplerl_math", "exact_match") for r in rules) and not self.label_key:
             raise ConfigError(f"--reward_func {self.reward_func} compares answers with labels; "
                               "set --label_key to the data field holding the answer")
-        self.reward_model_needed = bool(self.reward_pretrain)
+        self.reward_model_needed = bool(self.reward_pretrain) and self.reward_service_needed
         model_config = pathlib.Path(self.reward_pretrain) / "config.json"
         # Readable here for local runs and usually for Ray (shared storage); else the service decides.
         if self.normalize_reward and self.reward_pretrain and self.placement != "static" and model_config.is_file():
@@ -437,6 +436,26 @@ class CoordinatorConfig(ServerConfig):
                               "cluster may take to find room for the job, e.g. 180)")
         if self.vllm_num_engines < 1 or self.vllm_tensor_parallel_size < 1:
             raise ConfigError("--vllm_num_engines and --vllm_tensor_parallel_size must be >= 1")
+    def _check_reward_sources(self) -> None:
+        """One reward source, or none when an agent's own rewards are the rewards: in OpenRLHF the agent
+        function returns them (--agent_rewards agent), so no reward service is started."""
+        sources = [n for n in ("reward_pretrain", "remote_rm_url", "reward_func") if getattr(self, n)]
+        agent_scores = bool(self.agent_func_path) and self.agent_rewards == "agent"
+        self.reward_service_needed = not agent_scores
+        if agent_scores:
+            if sources:
+                warnings.warn(f"--{sources[0]} is not used: with --agent_func_path the agent's step rewards are the "
+                              "rewards (--agent_rewards agent, as in OpenRLHF); give --agent_rewards reward_service "
+                              "to score whole episodes with it instead", stacklevel=3)
+            return
+        if self.placement == "static" and self.reward_addresses:
+            return
+        if len(sources) != 1:
+            why = " (--agent_rewards reward_service scores the agent's episodes with it)" if self.agent_func_path else ""
+            raise ConfigError("give exactly one reward source: --reward_pretrain DIR, --remote_rm_url URL|file.py, "
+                              "--reward_func math|exact_match|format, or --agent_func_path FILE.py whose agent returns "
+                              f"the rewards{why} (got {sources or 'none'})")
+
         if self.placement == "static":
             return
         engine_gpus = self.vllm_num_engines * self.vllm_tensor_parallel_size
@@ -447,6 +466,15 @@ class CoordinatorConfig(ServerConfig):
                 f"({self.actor_num_nodes} x {self.actor_num_gpus_per_node} = {self.actor_gpus()}) must equal "
                 f"--vllm_num_engines x --vllm_tensor_parallel_size ({self.vllm_num_engines} x "
                 f"{self.vllm_tensor_parallel_size} = {engine_gpus}), or divide it for several engines per GPU "
+    def _async_colocation(self) -> None:
+        """As OpenRLHF: with --async_train the engines need GPUs of their own to generate while the learner
+        trains, so --colocate_all_models colocates only the DeepSpeed-side models."""
+        if self.async_train and self.colocate_all_models:
+            warnings.warn("--colocate_all_models with --async_train colocates only the reference with the actor and "
+                          "the reward model with the critic (--colocate_actor_ref --colocate_critic_reward): the "
+                          "rollout engines get GPUs of their own, as in OpenRLHF", stacklevel=3)
+            self.colocate_all_models, self.colocate_actor_ref, self.colocate_critic_reward = False, True, True
+
                 "(each engine on GPUs of its own set); change one side")
         if self.colocate_actor_ref and not self.colocate_all_models and self.ref_needed:
             if self.ref_num_nodes and (self.ref_num_nodes, self.ref_num_gpus_per_node) != (
@@ -591,10 +619,9 @@ class CoordinatorConfig(ServerConfig):
     def _check_async_and_agent(self) -> None:
         if self.max_staleness < 0:
             raise ConfigError(f"--max_staleness {self.max_staleness} must be >= 0 (0 = on-policy)")
-        if self.async_train and (self.vllm_enable_sleep or self.deepspeed_enable_sleep or self.colocate_all_models):
-            raise ConfigError("--async_train overlaps generation and training, but --colocate_all_models / "
-                              "--vllm_enable_sleep / --deepspeed_enable_sleep run them one after another on the "
-                              "same GPUs; drop one or the other")
+        if self.async_train and self.vllm_enable_sleep:
+            raise ConfigError("--async_train generates while the learner trains, so the engines never sleep: drop "
+                              "--vllm_enable_sleep (OpenRLHF refuses it too)")
         if self.partial_rollout and not self.async_train:
             raise ConfigError("--partial_rollout lets a weight push land in the middle of a generation, which only "
                               "overlaps pushes with --async_train; add --async_train, or drop --partial_rollout")
@@ -602,9 +629,6 @@ class CoordinatorConfig(ServerConfig):
             raise ConfigError("--partial_rollout pauses running generations for a push, which --rollout_engine hf "
                               "cannot do (it decodes each batch to its end); use --rollout_engine vllm, or drop "
                               "--partial_rollout")
-        if self.partial_rollout and self.agent_func_path:
-            raise ConfigError("--partial_rollout with --agent_func_path is not supported: agent episodes record one "
-                              "weight version per model turn; drop --partial_rollout for agent training")
         if self.use_tis and not self.tis_cap >= 1:
             raise ConfigError(f"--tis_cap {self.tis_cap} must be >= 1 (e.g. 2.0)")
         if not self.agent_func_path:

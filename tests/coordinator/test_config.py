@@ -271,3 +271,41 @@ def test_several_engines_per_gpu_when_colocated(paths, monkeypatch):
     with pytest.raises(ConfigError) as err:
         cfg.resolve_device(True)
     assert "is per engine, and 2 engines share each GPU" in str(err.value) and "at most 0.47" in str(err.value)
+
+
+def test_an_agent_function_is_a_reward_source(paths, tmp_path):
+    """As in OpenRLHF, the agent function returns the rewards: no other reward source is needed, no
+    reward service is placed, and one given besides it is not used (unless --agent_rewards reward_service)."""
+    from services.coordinator.fleet.placement import role_instances, service_specs
+
+    agent = tmp_path / "agent_func.py"
+    agent.write_text("class AgentInstance:\n    pass\n")
+    no_reward = [a for a in base(paths) if a not in ("--reward_func", "math")]
+    cfg = parse([*no_reward, "--agent_func_path", str(agent)])
+    assert cfg.reward_service_needed is False and role_instances(cfg, "reward") == 0
+    assert not [s for s in service_specs(cfg, 4) if "reward" in s.roles]
+    with pytest.warns(UserWarning, match="--reward_func is not used"):
+        cfg = parse(base(paths, "--agent_func_path", str(agent)))
+    assert cfg.reward_service_needed is False
+    cfg = parse(base(paths, "--agent_func_path", str(agent), "--agent_rewards", "reward_service"))
+    assert cfg.reward_service_needed is True and role_instances(cfg, "reward") == 1
+    with pytest.raises(ConfigError, match=r"--agent_rewards reward_service scores the agent's episodes .* \(got none\)"):
+        parse([*no_reward, "--agent_func_path", str(agent), "--agent_rewards", "reward_service"])
+    with pytest.raises(ConfigError, match="or --agent_func_path FILE.py whose agent returns the rewards"):
+        parse(no_reward)
+
+
+def test_async_training_takes_the_learner_sleep_and_partial_agent_rollouts(paths, tmp_path):
+    """OpenRLHF's async agent script: --ds.enable_sleep with async (the learner offloads between its
+    steps), --train.colocate_all under async (only the DeepSpeed-side models share GPUs) and
+    --train.partial_rollout_enable with an agent; vLLM's sleep is refused with async, as there."""
+    agent = tmp_path / "agent_func.py"
+    agent.write_text("class AgentInstance:\n    pass\n")
+    with pytest.warns(UserWarning) as caught:
+        cfg = parse(base(paths, "--async_train", "--deepspeed_enable_sleep", "--partial_rollout",
+                         "--agent_func_path", str(agent), "--colocate_all_models"))
+    assert (cfg.async_train, cfg.deepspeed_enable_sleep, cfg.partial_rollout) == (True, True, True)
+    assert (cfg.colocate_all_models, cfg.colocate_actor_ref, cfg.colocate_critic_reward) == (False, True, True)
+    assert any("colocates only the reference with the actor" in str(w.message) for w in caught)
+    with pytest.raises(ConfigError, match="drop --vllm_enable_sleep"):
+        parse(base(paths, "--async_train", "--vllm_enable_sleep"))

@@ -187,8 +187,7 @@ SCRIPTS = {
         ICEPOP | {"reward.stop_properly_penalty_coef"}),
     "train_reinforce_baseline_ray_agent_async": (
         REINFORCE_BASELINE_RAY_AGENT_ASYNC, CoordinatorConfig,
-        # rlmesh's partial rollouts are single-turn: a refusal of the configuration's own.
-        RING | ICEPOP | {"rollout.max_tokens_per_gpu", "ds.enable_sleep", "train.partial_rollout_enable"}),
+        RING | ICEPOP | {"rollout.max_tokens_per_gpu"}),
     "train_ppo_with_reward_fn": (PPO_WITH_REWARD_FN, CoordinatorConfig, set()),
     "train_ppo_ray_slurm": (PPO_RAY_SLURM, CoordinatorConfig, set()),
     "train_vlm_math_hybrid_engine": (VLM_MATH_HYBRID_ENGINE, CoordinatorConfig,
@@ -267,10 +266,6 @@ def test_every_openrlhf_example_command_is_honoured_or_refused_by_name(script, l
     args = localise(command, local)
     if cls is CoordinatorConfig:
         args += ["--placement", "local", "--device", "cpu"]
-    if "--train.agent_func_path" in args:
-        # OpenRLHF's agent scripts take rewards from the agent alone; rlmesh's validation still asks for a
-        # reward source even with --agent_rewards agent (the default), so these two get a reward function.
-        args += ["--reward.remote_url", local["reward_func"]]
     seen = set()
     while True:
         try:

@@ -156,7 +156,10 @@ def learner_argv(cfg: CoordinatorConfig, total_steps: int, num_ranks: int) -> li
 
 
 def role_instances(cfg: CoordinatorConfig, role: str) -> int:
-    """Service instances of the reward or reference role: one per GPU (one per count on CPU)."""
+    """Service instances of the reward or reference role: one per GPU (one per count on CPU); no
+    reward instance when an agent's own rewards are the rewards."""
+    if role == "reward" and not cfg.reward_service_needed:
+        return 0
     if cfg.colocate_all_models or (role == "ref" and cfg.colocate_actor_ref):
         return cfg.actor_gpus() if cfg.on_gpu else 1
     if role == "reward" and cfg.colocate_critic_reward:

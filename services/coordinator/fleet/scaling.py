@@ -45,6 +45,9 @@ class Scaler:
         """Returns (addresses after the call, added, removed)."""
         if role not in ("rollout", "reward"):
             raise ScaleError(f"role {role!r}: only rollout and reward instances scale; send role rollout or reward")
+        if role == "reward" and not self.recovery.config.reward_service_needed:
+            raise ScaleError("this run has no reward service: its agent's own rewards are the rewards "
+                             "(--agent_rewards agent)")
         static = self.placement_name == "static"
         if static and replicas:
             raise ScaleError("static placement: the deployment starts instances; send add_addresses / "

@@ -10,8 +10,12 @@ for single-turn samples). The finished episode becomes one Sample:
                feedback between them (context, action_mask 0, not trained on)
 
 The model's tokens are checked against what the engine generated (they must be the same ids: no
-re-tokenization); each token carries the weight version of its turn (token_versions), and the
-engine's log-probs of the model tokens are the behaviour log-probs for --use_tis.
+re-tokenization); each model token carries the weight version that generated it (token_versions:
+its turn's, or, when a --partial_rollout push landed during the turn, the rollout service's
+version per token), environment tokens the version of the model token before them, and the
+engine's log-probs of the model tokens are the behaviour log-probs for --use_tis. As in
+OpenRLHF's partial rollout, an episode goes on across weight pushes; its staleness is its oldest
+token's.
 
 Rewards are the agent's (the sum of its step rewards) or, with --agent_rewards reward_service,
 the reward service's score of the whole episode. An exception in the agent code, a worker that
@@ -36,6 +40,7 @@ from services.common.log import get_logger, log_event
 from services.common.tasks import gather_or_cancel
 from services.common.tensors import from_proto
 from services.coordinator.loop import agent_worker
+from services.coordinator.loop.async_loop import token_versions
 from services.coordinator.loop.data import Prompt
 from services.coordinator.loop.experience import Sample
 
@@ -228,16 +233,16 @@ class AgentRunner:
 
     async def _generate_turn(self, prompt: Prompt, index: int, turn: int, payload, expected_version, seed, step,
                              round_index) -> dict:
-        token_ids, params = payload
-        if len(token_ids) + 1 > self.max_length:
-            raise EpisodeFailed(f"the agent asked to generate after {len(token_ids)} tokens, at --agent_max_length "
+        context_ids, params = payload
+        if len(context_ids) + 1 > self.max_length:
+            raise EpisodeFailed(f"the agent asked to generate after {len(context_ids)} tokens, at --agent_max_length "
                                 f"{self.max_length}")
         options = rollout_pb2.SamplingOptions(
             temperature=params.get("temperature", 1.0), top_p=params.get("top_p", 1.0), top_k=params.get("top_k", -1),
-            max_tokens=max(1, min(int(params.get("max_tokens", 1)), self.max_length - len(token_ids))),
+            max_tokens=max(1, min(int(params.get("max_tokens", 1)), self.max_length - len(context_ids))),
             stop=params.get("stop") or [], stop_token_ids=params.get("stop_token_ids") or [],
             logprobs=True, return_text=True)
-        turn_prompt = Prompt(uid=f"{prompt.uid}#{index}#t{turn}", text="", token_ids=tuple(token_ids),
+        turn_prompt = Prompt(uid=f"{prompt.uid}#{index}#t{turn}", text="", token_ids=tuple(context_ids),
                              label=prompt.label, datasource=prompt.datasource)
         answers: list[rollout_pb2.GenerateResponse] = []
         await self.pool.generate([turn_prompt], 1, options, expected_version, seed, step,
@@ -246,10 +251,13 @@ class AgentRunner:
         answer = answers[-1]
         if answer.finish_reason == rollout_pb2.FINISH_REASON_ABORT:
             raise RuntimeError(f"rollout aborted turn {turn} of episode {prompt.uid}/{index}; an engine is shutting down")
-        return {"token_ids": from_proto(answer.response_token_ids, "response_token_ids").tolist(),
+        token_ids = from_proto(answer.response_token_ids, "response_token_ids").tolist()
+        versions = token_versions(answer)  # a --partial_rollout push landed in this turn: a version per token
+        return {"token_ids": token_ids,
                 "logprobs": from_proto(answer.logprobs, "logprobs").float().tolist(), "text": answer.text,
                 "finish_reason": rollout_pb2.FinishReason.Name(answer.finish_reason).removeprefix("FINISH_REASON_").lower(),
-                "weight_version": answer.weight_version, "prompt_len": len(token_ids)}
+                "weight_version": answer.weight_version, "prompt_len": len(context_ids),
+                "token_versions": versions.tolist() if versions is not None else [answer.weight_version] * len(token_ids)}
 
     # ---- samples ----
     def new_sample(self, prompt: Prompt, outcome: Outcome, weight_version: int) -> Sample:
@@ -278,7 +286,6 @@ class AgentRunner:
         mask = torch.zeros(end - start, dtype=torch.uint8)
         versions = torch.zeros(end - start, dtype=torch.int64)
         behaviour = torch.zeros(end - start, dtype=torch.float32)
-        version = None
         for s, e in ranges:
             turn = by_start.get(s)
             if turn is None or tokens[s:e] != turn["token_ids"]:
@@ -287,8 +294,9 @@ class AgentRunner:
                                     "(no decode and re-encode)")
             mask[s - start:e - start] = 1
             behaviour[s - start:e - start] = torch.tensor(turn["logprobs"])
-            version = turn["weight_version"]
-            versions[s - start:] = version  # environment tokens after a turn take its version
+            turn_versions = torch.tensor(turn["token_versions"] or [turn["weight_version"]], dtype=torch.int64)
+            versions[s - start:] = turn_versions[-1]  # environment tokens after a turn take its last token's
+            versions[s - start:e - start] = turn_versions[:e - s]
         response = torch.tensor(tokens[start:end], dtype=torch.int64)
         step_seconds = [float(x) for x in result.get("step_seconds", [])]
         for seconds in step_seconds:

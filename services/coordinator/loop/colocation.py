@@ -3,6 +3,9 @@
 The loop sequences wake -> work -> sleep so vLLM and DeepSpeed never hold a GPU's memory at once:
 the engines sleep after generating and wake (weights first, KV cache at the next generation); the
 learner's states go to host memory after a step and come back before its log-probs or a checkpoint.
+With --async_train only the learner sleeps (the engines generate on GPUs of their own), and a step's
+training can overlap the next step's catch-up push: learner_in_use keeps its states on the GPUs
+until the last such block ends.
 
 A rollout engine restarted on the learner's GPUs (--colocate_all_models with both sleeps) does not
 start while the learner works (from its reload to its offload) unless the loop waits for that
@@ -34,6 +37,8 @@ class Colocation:
         self.rollout_sleeps = config.vllm_enable_sleep  # False once an engine says it cannot sleep
         self.learner_offloaded = False  # learner states in host memory (--deepspeed_enable_sleep)
         self.learner_working = False  # from a reload to the next offload: no colocated engine starts
+        self.learner_users = 0  # blocks that need the learner's states on its GPUs now (learner_in_use)
+        self.offload_pending = False  # an offload asked for while a block used them: the last one out does it
         self.loop_waits = 0  # the loop waits for an engine to come back: its start cannot wait
         self.starting: set[str] = set()  # engines restarting on the learner's GPUs: its reload waits
         self._changed = asyncio.Condition()
@@ -63,11 +68,17 @@ class Colocation:
     async def offload_learner(self) -> float:
         """Moves the learner's states off its GPUs (--deepspeed_enable_sleep); returns the seconds it took."""
         if not self.config.deepspeed_enable_sleep or self.learner_offloaded:
+            self.offload_pending = False
             return 0.0
+        if self.learner_users:  # async: the next step's catch-up push or this step's training still needs them
+            self.offload_pending = True
+            return 0.0
+        self.offload_pending = False
         t0 = time.monotonic()
         await self.learner.Offload(learner_pb2.OffloadRequest(), timeout=120.0)
         self.learner_offloaded = True
         await self._set(learner_working=False)
+        log_event(_log, "learner.offloaded", seconds=f"{time.monotonic() - t0:.3f}")
         return time.monotonic() - t0
 
     async def reload_learner(self) -> float:
@@ -83,19 +94,30 @@ class Colocation:
             self.learner_working = True  # from here a colocated engine's restart waits for the offload
         await self.learner.Reload(learner_pb2.ReloadRequest(), timeout=120.0)
         self.learner_offloaded = False
+        log_event(_log, "learner.reloaded", seconds=f"{time.monotonic() - t0:.3f}")
         return time.monotonic() - t0
+
+    @contextlib.asynccontextmanager
+    async def learner_in_use(self):
+        """The learner's states on its GPUs while the block runs (yields the seconds the reload took).
+        With --async_train such blocks overlap (a step's training, the next step's catch-up push): an
+        offload asked for meanwhile waits until the last of them ends."""
+        self.learner_users += 1
+        try:
+            yield await self.reload_learner()
+        finally:
+            self.learner_users -= 1
+            if self.offload_pending and not self.learner_users:
+                await self.offload_learner()
 
     @contextlib.asynccontextmanager
     async def learner_awake(self):
         """The learner's states on its GPUs for a push that comes while it sleeps (an engine admitted
         at a step's start), and back to host memory after it."""
-        was_offloaded = self.learner_offloaded
-        await self.reload_learner()
-        try:
+        if self.learner_offloaded:
+            self.offload_pending = True
+        async with self.learner_in_use():
             yield
-        finally:
-            if was_offloaded:
-                await self.offload_learner()
 
     # ---- an engine restarting on the learner's GPUs ----
     def gates_restarts(self) -> bool:

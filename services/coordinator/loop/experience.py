@@ -50,7 +50,8 @@ class Sample:
     ref_logprobs: torch.Tensor | None = None  # (T,) float32
     values: torch.Tensor | None = None  # (T,) float32
     # Weight version that generated each response token, (T,) int64; None: weight_version for all.
-    # Multi-turn agent episodes have one version per turn (environment tokens take their turn's).
+    # Multi-turn agent episodes: each model token its own (a turn's, or several with --partial_rollout);
+    # environment tokens take the version of the model token before them.
     token_versions: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None  # (T,) float32, the engine's own log-probs (--use_tis)
     action_mask: torch.Tensor | None = None  # (T,) uint8, 0 on environment tokens; None: all 1

@@ -10,7 +10,10 @@
 
 With --vllm_enable_sleep / --deepspeed_enable_sleep (colocated on GPUs) the phases run one
 after another instead: wake -> generate -> sleep -> reload -> log-probs, train -> push -> offload,
-so vLLM and DeepSpeed never hold a GPU's memory at the same time (colocation.py).
+so vLLM and DeepSpeed never hold a GPU's memory at the same time (colocation.py). With
+--async_train the engines generate on GPUs of their own while the learner trains, and
+--deepspeed_enable_sleep only moves the learner's states to host memory between its steps
+(reload -> log-probs, train -> push -> offload, as OpenRLHF does there).
 
 The fleet's recovery (services/coordinator/fleet/recovery.py) repairs a step after a death through
 the named calls at the end of the Trainer; it reaches nothing else of the loop.
@@ -259,7 +262,8 @@ class Trainer(RunCheckpoints):
             # ---- wait for the remaining scores and log-probs ----
             self.control.set_phase(cpb.PHASE_SCORING)
             t0 = time.monotonic()
-            times["learner_reload"] = await self.colocation.reload_learner()  # the first part of "score"
+            if not defer_logprobs:  # async: learn_step brings the learner's states back for its log-probs
+                times["learner_reload"] = await self.colocation.reload_learner()  # the first part of "score"
             await (collector.wait_scores() if defer_logprobs else collector.finish())
             times["score"] = time.monotonic() - t0
             crash_point("coordinator.step.scored")
@@ -273,7 +277,16 @@ class Trainer(RunCheckpoints):
         return CollectedStep(collector, gen, times, self.stream.state(), defer_logprobs)
 
     async def learn_step(self, step: int, collected: CollectedStep, t_step: float, cpu_step: float) -> dict:
-        """Advantages, training and weight push of a collected step; returns the step's metrics."""
+        """Advantages, training and weight push of a collected step; returns the step's metrics.
+
+        The learner's states stay on its GPUs throughout (--deepspeed_enable_sleep with --async_train:
+        they come back here, not in collect_step, which runs beside the previous step's training)."""
+        async with self.colocation.learner_in_use() as reload_s:
+            if collected.logprobs_deferred and self.config.deepspeed_enable_sleep:
+                collected.times["learner_reload"] = reload_s
+            return await self._learn_step(step, collected, t_step, cpu_step)
+
+    async def _learn_step(self, step: int, collected: CollectedStep, t_step: float, cpu_step: float) -> dict:
         cfg = self.config
         collector, gen, times = collected.collector, collected.gen, collected.times
         if collected.logprobs_deferred:
