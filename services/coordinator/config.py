@@ -292,6 +292,8 @@ class CoordinatorConfig(ServerConfig):
     critic_needed: bool = opt(False, "the estimator needs a critic (gae)", derived=True)
     ref_needed: bool = opt(False, "a reference model is needed (init_kl_coef > 0)", derived=True)
     reward_model_needed: bool = opt(False, "rewards come from a reward model service role", derived=True)
+    reward_service_needed: bool = opt(True, "a reward service scores the samples (not when an agent's own rewards "
+                                      "are the rewards)", derived=True)
 
     # OpenRLHF 0.11's namespaced options are taken too (services/common/openrlhf_names.py).
     OPENRLHF_NAMESPACED: ClassVar[bool] = True
@@ -315,8 +317,6 @@ class CoordinatorConfig(ServerConfig):
         return max(1, self.vllm_num_engines * self.vllm_tensor_parallel_size // self.actor_gpus())
 
     def samples_per_step(self) -> int:
-    reward_service_needed: bool = opt(True, "a reward service scores the samples (not when an agent's own rewards "
-                                      "are the rewards)", derived=True)
         return self.rollout_batch_size * self.n_samples_per_prompt
 
     def validate(self) -> None:
@@ -326,6 +326,7 @@ class CoordinatorConfig(ServerConfig):
         self._resolve_placement()
         self._check_models()
         self._apply_deepspeed_file()
+        self._async_colocation()
         self._check_placement_counts()
         self._check_batches()
         self._check_objective()
@@ -349,7 +350,6 @@ class CoordinatorConfig(ServerConfig):
     def _resolve_placement(self) -> None:
         env_lists = {"rollout_addresses": "RLMESH_ROLLOUT_ADDRESSES", "reward_addresses": "RLMESH_REWARD_ADDRESSES",
                      "ref_addresses": "RLMESH_REF_ADDRESSES"}
-        self._async_colocation()
         for name, env in env_lists.items():
             if not getattr(self, name) and os.environ.get(env):
                 setattr(self, name, [a.strip() for a in os.environ[env].split(",") if a.strip()])
@@ -413,29 +413,6 @@ class CoordinatorConfig(ServerConfig):
         if len(self.reward_clip_range) != 2 or self.reward_clip_range[0] > self.reward_clip_range[1]:
             raise ConfigError(f"--reward_clip_range {self.reward_clip_range}: give LOW HIGH with LOW <= HIGH")
 
-    def _apply_deepspeed_file(self) -> None:
-        """--deepspeed FILE decides the ZeRO stage, bf16, offload and clipping the learner gets."""
-        if not self.deepspeed:
-            return
-        ds_file = read_deepspeed_file(self.deepspeed)
-        apply_flags(self, ds_file)
-        ranks = max(1, self.actor_gpus())
-        accumulation = self.train_batch_size // max(1, self.micro_train_batch_size * ranks)
-        check_batches(ds_file, self.train_batch_size, self.micro_train_batch_size, accumulation)
-
-    def _check_placement_counts(self) -> None:
-        for role in ("actor", "critic", "reward", "ref"):
-            nodes, gpus = getattr(self, f"{role}_num_nodes"), getattr(self, f"{role}_num_gpus_per_node")
-            if nodes < 0 or gpus < 0:
-                raise ConfigError(f"--{role}_num_nodes / --{role}_num_gpus_per_node must be >= 0")
-        if self.actor_gpus() < 1:
-            raise ConfigError("the actor needs at least one GPU (or process on CPU): "
-                              "set --actor_num_nodes >= 1 and --actor_num_gpus_per_node >= 1")
-        if not self.ray_placement_timeout_s > 0:
-            raise ConfigError(f"--ray_placement_timeout_s {self.ray_placement_timeout_s} must be > 0 (seconds the Ray "
-                              "cluster may take to find room for the job, e.g. 180)")
-        if self.vllm_num_engines < 1 or self.vllm_tensor_parallel_size < 1:
-            raise ConfigError("--vllm_num_engines and --vllm_tensor_parallel_size must be >= 1")
     def _check_reward_sources(self) -> None:
         """One reward source, or none when an agent's own rewards are the rewards: in OpenRLHF the agent
         function returns them (--agent_rewards agent), so no reward service is started."""
@@ -456,6 +433,38 @@ class CoordinatorConfig(ServerConfig):
                               "--reward_func math|exact_match|format, or --agent_func_path FILE.py whose agent returns "
                               f"the rewards{why} (got {sources or 'none'})")
 
+    def _apply_deepspeed_file(self) -> None:
+        """--deepspeed FILE decides the ZeRO stage, bf16, offload and clipping the learner gets."""
+        if not self.deepspeed:
+            return
+        ds_file = read_deepspeed_file(self.deepspeed)
+        apply_flags(self, ds_file)
+        ranks = max(1, self.actor_gpus())
+        accumulation = self.train_batch_size // max(1, self.micro_train_batch_size * ranks)
+        check_batches(ds_file, self.train_batch_size, self.micro_train_batch_size, accumulation)
+
+    def _async_colocation(self) -> None:
+        """As OpenRLHF: with --async_train the engines need GPUs of their own to generate while the learner
+        trains, so --colocate_all_models colocates only the DeepSpeed-side models."""
+        if self.async_train and self.colocate_all_models:
+            warnings.warn("--colocate_all_models with --async_train colocates only the reference with the actor and "
+                          "the reward model with the critic (--colocate_actor_ref --colocate_critic_reward): the "
+                          "rollout engines get GPUs of their own, as in OpenRLHF", stacklevel=3)
+            self.colocate_all_models, self.colocate_actor_ref, self.colocate_critic_reward = False, True, True
+
+    def _check_placement_counts(self) -> None:
+        for role in ("actor", "critic", "reward", "ref"):
+            nodes, gpus = getattr(self, f"{role}_num_nodes"), getattr(self, f"{role}_num_gpus_per_node")
+            if nodes < 0 or gpus < 0:
+                raise ConfigError(f"--{role}_num_nodes / --{role}_num_gpus_per_node must be >= 0")
+        if self.actor_gpus() < 1:
+            raise ConfigError("the actor needs at least one GPU (or process on CPU): "
+                              "set --actor_num_nodes >= 1 and --actor_num_gpus_per_node >= 1")
+        if not self.ray_placement_timeout_s > 0:
+            raise ConfigError(f"--ray_placement_timeout_s {self.ray_placement_timeout_s} must be > 0 (seconds the Ray "
+                              "cluster may take to find room for the job, e.g. 180)")
+        if self.vllm_num_engines < 1 or self.vllm_tensor_parallel_size < 1:
+            raise ConfigError("--vllm_num_engines and --vllm_tensor_parallel_size must be >= 1")
         if self.placement == "static":
             return
         engine_gpus = self.vllm_num_engines * self.vllm_tensor_parallel_size
@@ -466,15 +475,6 @@ class CoordinatorConfig(ServerConfig):
                 f"({self.actor_num_nodes} x {self.actor_num_gpus_per_node} = {self.actor_gpus()}) must equal "
                 f"--vllm_num_engines x --vllm_tensor_parallel_size ({self.vllm_num_engines} x "
                 f"{self.vllm_tensor_parallel_size} = {engine_gpus}), or divide it for several engines per GPU "
-    def _async_colocation(self) -> None:
-        """As OpenRLHF: with --async_train the engines need GPUs of their own to generate while the learner
-        trains, so --colocate_all_models colocates only the DeepSpeed-side models."""
-        if self.async_train and self.colocate_all_models:
-            warnings.warn("--colocate_all_models with --async_train colocates only the reference with the actor and "
-                          "the reward model with the critic (--colocate_actor_ref --colocate_critic_reward): the "
-                          "rollout engines get GPUs of their own, as in OpenRLHF", stacklevel=3)
-            self.colocate_all_models, self.colocate_actor_ref, self.colocate_critic_reward = False, True, True
-
                 "(each engine on GPUs of its own set); change one side")
         if self.colocate_actor_ref and not self.colocate_all_models and self.ref_needed:
             if self.ref_num_nodes and (self.ref_num_nodes, self.ref_num_gpus_per_node) != (
