@@ -16,6 +16,7 @@
 import importlib
 import sys
 
+from services.common import config
 from services.common.user_errors import run_command
 
 # subcommand -> (module, function taking argv, one-line help)
@@ -65,11 +66,13 @@ def dispatch(argv: list[str]) -> int:
 
             options = expand_run_config(service, options)
         module = importlib.import_module(f"services.{service}.__main__")
+        config.PROGRAM = f"rlmesh serve {service}"  # in usage lines and errors: what the user typed
         return module.main(options) or 0
     if command not in COMMANDS:
         print(f"rlmesh: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module_name, function, _ = COMMANDS[command]
+    config.PROGRAM = f"rlmesh {command}"
     return getattr(importlib.import_module(module_name), function)(rest) or 0
 
 

@@ -45,13 +45,28 @@ def _base_type(tp):
     return tp
 
 
+PROGRAM = ""  # the `rlmesh` console script sets it to "rlmesh <command>" before it runs one
+
+
+def program_name(cls) -> str:
+    """The command the user typed, for usage lines and errors: `rlmesh <command>`, or `python -m MODULE`
+    with MODULE as typed (its own module runs as __main__, so cls.__module__ may say "__main__")."""
+    if PROGRAM:
+        return PROGRAM
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    module = spec.name.removesuffix(".__main__") if spec is not None and spec.name else ""
+    if not module.startswith("services."):  # run from elsewhere (a test, a script): the config's package
+        module = cls.__module__.rsplit(".", 1)[0]
+    return f"python -m {module}"
+
+
 def build_parser(cls, description: str = "", parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     # Each option's help already states its default (argparse's own would print None: the parser's
     # defaults are None so that a YAML file can fill what the command line leaves out).
     # allow_abbrev=False: a prefix of an option is an error, not silently that option (simpleRL's
     # `--deepspeed FILE` must not become --deepspeed_enable_sleep).
     parser = parser or argparse.ArgumentParser(
-        allow_abbrev=False, prog=f"python -m {cls.__module__.rsplit('.', 1)[0]}", description=description or (cls.__doc__ or "").strip(), formatter_class=argparse.RawDescriptionHelpFormatter)
+        allow_abbrev=False, prog=program_name(cls), description=description or (cls.__doc__ or "").strip(), formatter_class=argparse.RawDescriptionHelpFormatter)
     if openrlhf_namespaced(cls):
         parser.epilog = ("OpenRLHF 0.11's namespaced options (--actor.num_nodes, --ds.zero_stage, --train.colocate_all, "
                          "...) are taken too, each as the option above with its meaning or refused with what to use "
@@ -121,13 +136,41 @@ def parse_config(cls, argv=None, description: str = ""):
     message = unsupported(cls, _option_names(argv))
     if message:
         parser.exit(2, f"config error: {message}\n")
-    args = parser.parse_args(argv)
+    args = _parse_known(cls, parser, argv)
     try:
         return config_from_args(cls, args)
     except ConfigError as exc:
         if debug_enabled():
             raise  # the command's run_command prints it with its traceback
         parser.exit(2, f"config error: {exc}\n")
+
+
+def _parse_known(cls, parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parse_args, except that an unknown option is named with what it was probably meant to be
+    (services/common/option_hints.py) instead of argparse's usage dump; an OpenRLHF option given
+    with its default value is dropped with a note."""
+    from services.common.openrlhf_names import NAMES, split_options
+    from services.common.option_hints import explain
+
+    args, extra = parser.parse_known_args(argv)
+    if not extra:
+        return args
+    known = [o[2:] for o in parser._option_string_actions if o.startswith("--")]
+    if openrlhf_namespaced(cls):
+        known += list(NAMES)
+    errors = []
+    for name, values in split_options(extra):
+        if not name:
+            errors.append(f"{' '.join(values)}: not an option (options start with --; see --help)")
+            continue
+        sentence, is_error = explain(name, values, known)
+        if is_error:
+            errors.append(sentence)
+        else:
+            print(f"{parser.prog}: note: {sentence}; dropped", file=sys.stderr)
+    if errors:
+        parser.exit(2, "".join(f"{parser.prog}: config error: {e}\n" for e in errors))
+    return args
 
 
 def config_from_args(cls, args: argparse.Namespace):

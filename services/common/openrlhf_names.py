@@ -430,8 +430,12 @@ def translate_argv(cls, argv: list[str]) -> list[str]:
         negated = name.startswith("no-")
         key = name.removeprefix("no-")
         if key not in NAMES:
-            raise ConfigError(f"--{name}: not an option of OpenRLHF 0.11 that rlmesh knows; see --help for the "
-                              "options (OpenRLHF's namespaced ones are in services/common/openrlhf_names.py)")
+            from services.common.option_hints import nearest
+
+            guess = nearest(key, list(NAMES))
+            raise ConfigError(f"--{name}: not an option of OpenRLHF 0.11 that rlmesh knows"
+                              + (f"; did you mean --{guess}?" if guess else "") + " See --help for the options "
+                              "(OpenRLHF's namespaced ones are in services/common/openrlhf_names.py)")
         rule = ASYNC_RULES.get(key) if async_train else None
         rule = rule or _rule(key, fields)
         if rule is None:
