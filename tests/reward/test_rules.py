@@ -153,7 +153,8 @@ def test_killed_worker_fails_its_chunk_and_the_pool_is_replaced():
     assert time.monotonic() - t0 < 30
 
 
-# Every answer form of the README's table: (response, label) pairs the math rule scores as correct.
+# Every answer form of the table in docs/guides/reward-servers.md ("The math rule"): (response, label) pairs
+# the math rule scores as correct.
 ANSWER_FORMS = [
     ("so \\boxed{\\frac{3}{4}}", "0.75"),
     ("first \\boxed{1}, then \\boxed{\\sqrt{x^{2}}}", "\\sqrt{x^{2}}"),
@@ -179,7 +180,7 @@ ANSWER_FORMS = [
 
 
 @pytest.mark.parametrize("response, label", ANSWER_FORMS)
-def test_answer_forms_of_the_readme_table(math_source, response, label):
+def test_answer_forms_of_the_documented_table(math_source, response, label):
     source, loop = math_source
     out = loop.run_until_complete(source.score(ScoreBatch.from_texts([""], [response], [label])))
     assert out.rewards.tolist() == [1.0], (response, label, extract_answer(response))
