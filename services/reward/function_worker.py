@@ -2,8 +2,8 @@
 
     python -m services.reward.function_worker READ_FD WRITE_FD
 
-A worker is a fresh interpreter that imports only this module (and verl_convention.py) and the
-reward function: from its file, or by module and name for a function handed over in Python. It
+A worker is a fresh interpreter that imports only this module (with verl_convention.py and the
+OpenRLHF helpers that reward files import, services/common/openrlhf_compat.py) and the reward function: from its file, or by module and name for a function handed over in Python. It
 answers calls over two pipes, each in its main thread, so that code which times out with SIGALRM (math-verify,
 timeout_decorator, ...) works as it does in a script. Results travel back as plain Python (tensors
 and arrays become lists), so the parent never depends on what the user's code imported. This
@@ -26,6 +26,7 @@ import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
+from services.common import openrlhf_compat
 from services.reward import verl_convention
 
 OPTIONAL_ARGUMENTS = ("responses", "sample_ids", "data_sources", "extra_infos")
@@ -60,6 +61,7 @@ def load_reward_func(target: str) -> Callable:
         raise ImportProblem(f"--remote_rm_url {path}: no such file")
     spec = importlib.util.spec_from_file_location(f"rlmesh_reward_func_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
+    openrlhf_compat.install()  # OpenRLHF's helpers (openrlhf.utils.grade_answer, ...) for files written for it
     try:
         spec.loader.exec_module(module)
     except BaseException as exc:  # noqa: BLE001 - any import failure of user code is a config problem

@@ -28,6 +28,7 @@ from typing import ClassVar
 from rlmesh.rollout.v1 import rollout_pb2
 from services.common.config import ConfigError, opt, parse_config
 from services.common.datasets import DatasetError
+from services.common.openrlhf_compat import check_imports
 from services.common.paths import absolute_paths, resolve_path_fields
 from services.common.user_errors import run_command
 from services.coordinator.config import CoordinatorConfig
@@ -89,6 +90,8 @@ class EvalConfig:
         if not self.reward_addresses and len(sources) != 1:
             raise ConfigError("give exactly one reward source (--reward_func math, --reward_pretrain DIR or "
                               f"--remote_rm_url URL) or --reward_addresses; got {sources or 'none'}")
+        if self.remote_rm_url.endswith(".py") and pathlib.Path(self.remote_rm_url).is_file():
+            check_imports(self.remote_rm_url, "--remote_rm_url")  # its OpenRLHF imports, before any service starts
         if self.n_samples_per_prompt < 1:
             raise ConfigError(f"--n_samples_per_prompt {self.n_samples_per_prompt} must be >= 1")
         if self.temperature < 0:

@@ -23,6 +23,7 @@ import traceback
 import types
 from multiprocessing.connection import Connection
 
+from services.common import openrlhf_compat
 from services.coordinator.loop import agent_api
 
 
@@ -61,10 +62,7 @@ class RemoteEngine:
 def load_agent_file(path: str):
     """Imports the agent file with this module's API under `openrlhf.utils.agent`; returns its executor class
     (AgentExecutor, or MultiTurnAgentExecutor over its AgentInstance)."""
-    package = types.ModuleType("openrlhf")
-    utils = types.ModuleType("openrlhf.utils")
-    package.utils, utils.agent = utils, agent_api
-    sys.modules.update({"openrlhf": package, "openrlhf.utils": utils, "openrlhf.utils.agent": agent_api})
+    openrlhf_compat.install(agent_api)  # openrlhf.utils.agent, and the grading helpers agent files use too
     spec = importlib.util.spec_from_file_location("rlmesh_agent_func", path)
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))  # the file's own helper modules
