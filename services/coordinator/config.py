@@ -62,7 +62,11 @@ class CoordinatorConfig(ServerConfig):
     vllm_max_num_batched_tokens: int = opt(0, "vLLM max_num_batched_tokens; 0 = vLLM's default")
     vllm_quantization: str = opt("", "vLLM quantization method, e.g. awq; empty = none")
     enable_prefix_caching: bool = flags.ENABLE_PREFIX_CACHING.field(False)
-    enforce_eager: bool = flags.ENFORCE_EAGER.field(False)
+    enforce_eager: bool | None = flags.ENFORCE_EAGER.field(None)
+    rollout_dtype: str = opt("auto", "dtype of the rollout engines' weights and activations: auto = bfloat16 with "
+                             "--bf16 on GPUs, else the engine's choice (on a CPU: bfloat16 where it has bf16 units, "
+                             "avx512_bf16 or amx_bf16, float32 where it has none and bfloat16 would decode slower); "
+                             "or float32, bfloat16, float16", choices=["auto", "float32", "bfloat16", "float16"])
     colocate_all_models: bool = opt(False, "actor, critic, reward, reference and vLLM share the actor's GPUs; "
                                     "needs vllm_num_engines x vllm_tensor_parallel_size == actor GPUs, or a "
                                     "multiple of them for several engines per GPU (each with its share of "

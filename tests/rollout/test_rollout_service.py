@@ -366,6 +366,11 @@ def test_weight_push_switches_outputs_to_the_second_model(stub, vllm_rollout, ti
     # The checkpoint's weights go back, for the tests that compare against it.
     assert push_checkpoint(vllm_rollout.address, tiny_model_dir, version=version + 1)["consistent"]
     assert greedy_ids(stub, GREEDY_PROMPTS) == before
+    # vLLM's reload on the CPU warns "RotaryEmbedding: Failed to load weights" after every push (its
+    # cos/sin cache is in no checkpoint): filtered out, so that a real failed load stands out.
+    log_text = vllm_rollout.log_path.read_text(errors="replace")
+    assert f"weights.update.done version={version + 1}" in log_text
+    assert "Failed to load weights" not in log_text
 
 
 def test_failed_push_refuses_generate_until_a_complete_push(stub, vllm_rollout, tiny_model_dir):

@@ -53,6 +53,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 # Command lines
 
 
+def rollout_dtype(cfg: CoordinatorConfig) -> str:
+    """--rollout_dtype, where auto is the learner's bfloat16 with --bf16 on GPUs; elsewhere the engine
+    decides (on a CPU it knows whether bfloat16 is fast there: services/rollout/cpu_defaults.py)."""
+    if cfg.rollout_dtype != "auto":
+        return cfg.rollout_dtype
+    return "bfloat16" if cfg.bf16 and cfg.on_gpu else "auto"
+
+
 def rollout_argv(cfg: CoordinatorConfig) -> list[str]:
     argv = ["--pretrain", cfg.pretrain, "--engine", cfg.rollout_engine,
             "--tensor_parallel_size", str(cfg.vllm_tensor_parallel_size),
@@ -60,10 +68,9 @@ def rollout_argv(cfg: CoordinatorConfig) -> list[str]:
             "--max_model_len", str(cfg.prompt_max_len + cfg.generate_max_len),
             "--seed", str(cfg.seed), "--metrics_port", "0",
             "--enable_prefix_caching" if cfg.enable_prefix_caching else "--no-enable_prefix_caching"]
-    if cfg.bf16:
-        argv += ["--dtype", "bfloat16"]
-    if cfg.enforce_eager:
-        argv.append("--enforce_eager")
+    argv += ["--dtype", rollout_dtype(cfg)]
+    if cfg.enforce_eager is not None:  # unset: the service's default (eager on a CPU, compiled on a GPU)
+        argv.append("--enforce_eager" if cfg.enforce_eager else "--no-enforce_eager")
     if cfg.vllm_enable_sleep and cfg.on_gpu:
         argv.append("--enable_sleep_mode")
     if cfg.partial_rollout:
