@@ -30,6 +30,7 @@ COMMANDS = {
     "eval": ("services.coordinator.cli.eval_cli", "main", "pass@1 / pass@n of a model through the rollout and reward services"),
     "control": ("services.coordinator.cli.control_cli", "main", "status, pause, resume or stop a running training run"),
     "plot": ("services.coordinator.cli.plot", "main", "PNG curves of a run folder's metrics.jsonl"),
+    "samples": ("services.coordinator.cli.samples_cli", "main", "the generated samples a run wrote (prompt, response, reward, label) per step"),
     "scale": ("services.coordinator.cli.scale_cli", "main", "add or remove rollout / reward instances of a running run"),
     "cluster": ("services.coordinator.cli.cluster_cli", "main", "a Ray cluster of several nodes on this machine (127.0.0.2, ...)"),
     "make-tiny-model": ("services.common.tiny", "main_make_tiny_model", "build a tiny random model with a local tokenizer"),

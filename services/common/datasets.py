@@ -54,6 +54,7 @@ class PromptRow:
     datasource: str  # the row's own datasource field, else the file's name without suffix
     index: int  # row number in its file
     extra_info: str = ""  # the row's extra_info mapping (veRL data) as JSON text; "" without one
+    difficulty: str = ""  # the row's own difficulty field (a level or a name) as text; "" without one
 
 
 @dataclass(frozen=True)
@@ -443,6 +444,18 @@ def _extra_info(row: dict) -> str:
     return json.dumps(value, ensure_ascii=False, default=str)
 
 
+def _difficulty(row: dict) -> str:
+    """A row's own `difficulty` (a level such as 3, or a name such as "hard") as text, by which the
+    training metrics group rewards; "" for a row without one."""
+    value = row.get("difficulty")
+    if value is None or value == "":
+        return ""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise BadRow("difficulty is not a number or a name", f"got {type(value).__name__}; store a level (3) or a "
+                     "name (\"hard\") per row, or drop the column")
+    return str(value)
+
+
 def load_prompts(paths, probs=None, input_key: str = "prompt", label_key: str = "label", tokenizer=None,
                  apply_chat_template: bool = False, input_template: str | None = None, max_len: int | None = None,
                  max_samples: int | None = None, seed: int = 42, strict: bool = False, shuffle: bool = True,
@@ -469,7 +482,7 @@ def load_prompts(paths, probs=None, input_key: str = "prompt", label_key: str = 
         if max_len and max_len > 0:
             _check_length(len(_encode(tokenizer, prompt, not apply_chat_template)), max_len, "prompt")
         return PromptRow(prompt=prompt, label=label, datasource=datasource, index=index,
-                         extra_info=_extra_info(row))
+                         extra_info=_extra_info(row), difficulty=_difficulty(row))
 
     return _load(paths, probs, max_samples, seed, shuffle, strict, split, convert)
 

@@ -91,6 +91,11 @@ class CoordinatorConfig(ServerConfig):
 
     # ---- outputs and checkpoints --------------------------------------------------------------
     save_path: str = opt("./ckpt", "folder of the final model (HF format) written at the end")
+    export_dtype: str = opt("auto", "dtype of the exported HF models (--save_path, --save_hf_ckpt): auto = never wider "
+                            "than --pretrain's checkpoint nor than the training (a bfloat16 checkpoint trained in "
+                            "float32 is saved in bfloat16; --bf16 saves bfloat16); or float32, bfloat16, float16. "
+                            "The DeepSpeed checkpoints keep float32 master weights for resuming",
+                            choices=["auto", "float32", "bfloat16", "float16"])
     ckpt_path: str = opt("./ckpt/checkpoints_ppo", "folder of the resumable checkpoints (global_step_N/...)")
     save_steps: int = opt(-1, "checkpoint every N global steps; -1 = only at the end")
     logging_steps: int = opt(1, "log metrics every N global steps")
@@ -273,6 +278,10 @@ class CoordinatorConfig(ServerConfig):
     plots: bool = opt(True, "draw the run's curves into run_dir/plots/ when it ends (`rlmesh plot RUN_DIR` "
                       "draws them at any time)")
     progress_bar: bool = opt(True, "show a progress bar per step when stderr is a terminal")
+    log_samples: int = opt(8, "generated samples of each step written to run_dir/samples/step_NNNNNN.jsonl (prompt, "
+                           "response, reward, label, difficulty, truncated, weight version; one per prompt first, "
+                           "then second ones); `rlmesh samples RUN_DIR` shows them; 0 writes none",
+                           check=lambda value: "" if value >= 0 else "must be >= 0 (0 writes no samples)")
     rpc_timeout_s: float = opt(1800.0, "deadline of the long calls (Generate, TrainActor, PushWeights)")
     scoring_retries: int = opt(4, "times a reward / reference call is sent again after its instance died "
                                "(connection refused or reset), to another instance or the restarted one")

@@ -30,6 +30,7 @@ from services.common import ownership
 from services.learner import checkpoint, host_offload, logprob_head, universal, warmup
 from services.learner.batches import MicroBatch, Sample, StepPlan, collate, ragged_rows
 from services.learner.config import LearnerConfig
+from services.learner.export_dtype import checkpoint_dtype, export_dtype, record_dtype
 from services.learner.deepspeed_setup import (
     build_engine,
     current_lr,
@@ -377,7 +378,8 @@ class LearnerRank:
 
     def export_hf(self, payload: dict) -> dict:
         """save_pretrained of the actor with --pretrain's tokenizer, into output_dir (which the server
-        claimed, see services.learner.ownership): each file is written in full beside it and renamed
+        claimed, see services.learner.ownership), in the dtype services.learner.export_dtype picks
+        (no wider than the checkpoint it started from): each file is written in full beside it and renamed
         into place; files of the previous export that this one does not write are removed; other
         files are never touched, and one this export would overwrite stops it."""
         engine = self.critic if payload.get("critic") else self.actor
@@ -389,7 +391,8 @@ class LearnerRank:
             return {}
         from transformers import AutoTokenizer
 
-        dtype = payload["dtype"] or self.config.dtype
+        source = self.config.critic_pretrain if payload.get("critic") else self.config.pretrain
+        dtype = export_dtype(payload["dtype"], checkpoint_dtype(source), self.config.dtype)
         out = pathlib.Path(payload["output_dir"])
         # A folder of its own inside output_dir: same file system (renames), never someone else's name.
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=".export-", dir=out))
@@ -409,6 +412,8 @@ class LearnerRank:
                         tokenizer.save_pretrained(tmp / "merged")
             finally:
                 module.config.dtype = saved_dtype
+            for folder in (tmp, tmp / "merged"):  # the model's folder, and a LoRA export's merged model
+                record_dtype(folder, dtype)
             tokenizer.save_pretrained(tmp)
             checkpoint.fsync_tree(tmp)
             written = sorted(p.name for p in tmp.iterdir())

@@ -5,7 +5,9 @@ joined by commas, whose rewards add up).
   "the answer is" / "answer:" (the first $...$ math there, else the first number, else the words),
   else its last number (scientific notation such as 2.5e3 or 2.5 \\times 10^{3} read whole); it is
   compared with the label by math-verify (in worker processes, with a time limit per sample) and
-  earns the correct / wrong / no-answer reward of the scheme (--math_*_reward).
+  earns the correct / wrong / no-answer reward of the scheme (--math_*_reward). Its per-sample
+  metrics: accuracy, no_answer, boxed (the answer is in a \\boxed{}: the format hit rate) and
+  verify_timeout.
 - simplerl_math: simpleRL-reason's reward levels, assigned as its own code assigns them: the model
   output is the decoded sequence from its first "<|im_start|>assistant" up to the first stop word
   (</s>, <|im_end|>, <|endoftext|>); no "boxed" in it: -1, even when the answer is right; else the
@@ -255,11 +257,14 @@ class RuleRewardSource(RewardSource):
     async def _math(self, batch: ScoreBatch) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         answers = await asyncio.to_thread(lambda: [extract_answer(r) for r in batch.responses])
         no_answer = np.array([a is None for a in answers], dtype=bool)
+        # The format a prompt asks for ("put the final answer in \boxed{}"): since any last number
+        # counts as an answer, no_answer alone says little about whether the model follows it.
+        boxed = np.array([last_boxed(r) is not None for r in batch.responses], dtype=np.float64)
         correct, timed_out = await self._judge(answers, batch.labels)
         s = self.scheme
         rewards = np.where(no_answer, s.no_answer, np.where(correct, s.correct, s.wrong)).astype(np.float64)
         return rewards, {"accuracy": correct.astype(np.float64), "no_answer": no_answer.astype(np.float64),
-                         "verify_timeout": timed_out.astype(np.float64)}
+                         "boxed": boxed, "verify_timeout": timed_out.astype(np.float64)}
 
     async def _simplerl_math(self, batch: ScoreBatch) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """simpleRL-reason's levels: no "boxed" in the model output -1 (even if right), else 1 / -0.5."""

@@ -140,6 +140,17 @@ def test_extra_info_travels_as_json_text_and_a_non_mapping_is_a_bad_row(tmp_path
         load_prompts(path, strict=True)
 
 
+def test_difficulty_is_kept_as_text_and_a_non_scalar_is_a_bad_row(tmp_path):
+    """A row's difficulty (rlmesh make-task writes one; rewards are logged per value) as text; a row
+    without one has ""; a list or a mapping there is a bad row."""
+    path = write_jsonl(tmp_path / "tasks.jsonl", [
+        {"prompt": "1+1=", "label": "2", "difficulty": 1}, {"prompt": "12*7=", "label": "84", "difficulty": "hard"},
+        {"prompt": "2+2=", "label": "4"}, {"prompt": "3+3=", "label": "6", "difficulty": [1, 2]}])
+    assert [r.difficulty for r in load_prompts(path, shuffle=False)] == ["1", "hard", ""]
+    with pytest.raises(DatasetError, match="row 3: difficulty is not a number or a name"):
+        load_prompts(path, strict=True)
+
+
 def test_no_usable_rows_and_bad_bytes_name_the_file_line_and_key(tmp_path, tokenizer):
     wrong_key = write_jsonl(tmp_path / "wrong_key.jsonl", [{"question": "1+1=", "label": "2"}] * 2)
     with pytest.raises(DatasetError) as err:

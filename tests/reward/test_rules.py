@@ -82,6 +82,8 @@ def test_math_scheme_correct_wrong_and_no_answer(math_source):
     np.testing.assert_array_equal(out.rewards, [1.0, 1.0, -0.5, -1.0, 1.0, 1.0])
     np.testing.assert_array_equal(out.extra["accuracy"], [1, 1, 0, 0, 1, 1])
     np.testing.assert_array_equal(out.extra["no_answer"], [0, 0, 0, 1, 0, 0])
+    # The format hit: an answer in \boxed{} (a bare last number is an answer, but not in the format).
+    np.testing.assert_array_equal(out.extra["boxed"], [1, 1, 0, 0, 1, 1])
     np.testing.assert_array_equal(out.scores, out.rewards)
 
 

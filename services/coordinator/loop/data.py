@@ -24,17 +24,20 @@ class Prompt:
     label: str
     datasource: str
     extra_info: str = ""  # the row's extra_info mapping as JSON text (veRL data), for reward functions
+    difficulty: str = ""  # the row's difficulty field as text ("" without one): rewards are logged per value
 
 
 class PromptStream:
     """Batches of prompts over `num_episodes` passes; position is (episode, index in the episode)."""
 
     def __init__(self, texts: list[str], token_ids: list[list[int]], labels: list[str], datasources: list[str],
-                 seed: int, num_episodes: int, extra_infos: list[str] | None = None, shuffle: bool = True):
+                 seed: int, num_episodes: int, extra_infos: list[str] | None = None, shuffle: bool = True,
+                 difficulties: list[str] | None = None):
         if not texts:
             raise ValueError("no prompts to train on")
         self.texts, self.token_ids, self.labels, self.datasources = texts, token_ids, labels, datasources
         self.extra_infos = extra_infos or [""] * len(texts)
+        self.difficulties = difficulties or [""] * len(texts)
         self.seed, self.num_episodes, self.shuffle = seed, num_episodes, shuffle
         self.episode, self.position = 1, 0
         self._order = self._episode_order(1)
@@ -70,7 +73,8 @@ class PromptStream:
             take = min(left, size - len(batch))
             for row in self._order[self.position:self.position + take]:
                 batch.append(Prompt(f"e{self.episode}-{row}", self.texts[row], tuple(self.token_ids[row]),
-                                    self.labels[row], self.datasources[row], self.extra_infos[row]))
+                                    self.labels[row], self.datasources[row], self.extra_infos[row],
+                                    self.difficulties[row]))
             self.position += take
             if self.position >= len(self._order):
                 self._next_episode()
@@ -104,4 +108,5 @@ def build_prompt_stream(config, tokenizer) -> PromptStream:
     # The chat template already wrote any special tokens; a plain prompt gets the tokenizer's own.
     encoded = tokenizer(texts, add_special_tokens=not config.apply_chat_template)["input_ids"]
     return PromptStream(texts, encoded, [r.label for r in rows], [r.datasource for r in rows],
-                        config.seed, config.num_episodes, [r.extra_info for r in rows], config.shuffle_prompts)
+                        config.seed, config.num_episodes, [r.extra_info for r in rows], config.shuffle_prompts,
+                        [r.difficulty for r in rows])

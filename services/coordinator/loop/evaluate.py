@@ -263,5 +263,5 @@ def load_eval_prompts(paths: str, tokenizer, input_key: str, label_key: str, app
                         apply_chat_template=apply_chat_template, input_template=input_template or None,
                         max_len=prompt_max_len, max_samples=max_samples, seed=seed, shuffle=False)
     encoded = tokenizer([r.prompt for r in rows], add_special_tokens=not apply_chat_template)["input_ids"]
-    return [Prompt(f"{r.datasource}-{r.index}", r.prompt, tuple(ids), r.label, r.datasource, r.extra_info)
-            for r, ids in zip(rows, encoded)]
+    return [Prompt(f"{r.datasource}-{r.index}", r.prompt, tuple(ids), r.label, r.datasource, r.extra_info,
+                   r.difficulty) for r, ids in zip(rows, encoded)]

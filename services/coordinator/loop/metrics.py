@@ -50,10 +50,26 @@ _GAUGES = {
     "critic/value_loss": ("rlmesh_coordinator_value_loss", "Value loss reported by the learner"),
     "actor/clip_ratio": ("rlmesh_coordinator_clip_fraction", "Fraction of tokens whose ratio was clipped"),
     "response_length/mean": ("rlmesh_coordinator_response_length_tokens", "Mean response length, tokens"),
+    "response_length/max": ("rlmesh_coordinator_response_length_max_tokens", "Longest response of the step, tokens"),
+    "response_length/truncated_ratio": ("rlmesh_coordinator_truncated_ratio",
+                                        "Fraction of the step's responses cut at the most new tokens (no EOS or stop)"),
+    "actor/entropy": ("rlmesh_coordinator_entropy", "Mean entropy of the policy on the trained response tokens "
+                      "(set only when the learner computes it)"),
     "throughput/samples_per_s": ("rlmesh_coordinator_samples_per_second", "Samples per second over the step"),
     "throughput/tokens_per_s": ("rlmesh_coordinator_tokens_per_second", "Generated tokens per second over the step"),
 }
 GAUGES = {key: prometheus_client.Gauge(name, help_text) for key, (name, help_text) in _GAUGES.items()}
+# The latest step's reward logs (JSONL reward/<name>: the math rule's accuracy, boxed, no_answer, a
+# format rule's format_ok, a reward server's extra_logs) and mean rewards per group (group_rewards.py).
+REWARD_LOG = prometheus_client.Gauge("rlmesh_coordinator_reward_log",
+                                     "Mean of a metric the reward source reported per sample or per call, by name",
+                                     ["name"])
+REWARD_BY_DIFFICULTY = prometheus_client.Gauge("rlmesh_coordinator_reward_by_difficulty",
+                                               "Mean reward of the step's samples whose prompt has this difficulty",
+                                               ["difficulty"])
+REWARD_BY_DATASOURCE = prometheus_client.Gauge("rlmesh_coordinator_reward_by_datasource",
+                                               "Mean reward of the step's samples from this data source (when a "
+                                               "step has several)", ["datasource"])
 # Evaluation on --eval_dataset (JSONL eval/pass@K, eval/response_length, eval/<datasource>/...).
 EVAL_PASS = prometheus_client.Gauge("rlmesh_coordinator_eval_pass_ratio",
                                     "Latest evaluation's pass@k on --eval_dataset (datasource=all: every prompt)",

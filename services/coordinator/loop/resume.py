@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 
+from rlmesh.common.v1 import common_pb2
 from rlmesh.coordinator.v1 import coordinator_pb2 as cpb
 from rlmesh.learner.v1 import learner_pb2
 from services.common.log import get_logger, log_event
@@ -16,6 +17,14 @@ from services.coordinator.loop import checkpoint
 from services.coordinator.loop.checkpoint import CoordinatorState, config_digest
 
 _log = get_logger("coordinator")
+_EXPORT_DTYPES = {"auto": common_pb2.DTYPE_UNSPECIFIED, "float32": common_pb2.DTYPE_FLOAT32,
+                  "bfloat16": common_pb2.DTYPE_BFLOAT16, "float16": common_pb2.DTYPE_FLOAT16}
+
+
+def export_request(cfg, output_dir: str, critic: bool = False) -> learner_pb2.ExportHFRequest:
+    """ExportHF of the actor (or the critic) into output_dir in --export_dtype (auto: the learner's
+    rule, services/learner/export_dtype.py)."""
+    return learner_pb2.ExportHFRequest(output_dir=output_dir, critic=critic, dtype=_EXPORT_DTYPES[cfg.export_dtype])
 
 
 class RunCheckpoints:
@@ -32,8 +41,7 @@ class RunCheckpoints:
             ckpt_path=cfg.ckpt_path, global_step=step, client_state=self.state.to_json().encode(),
             max_ckpt_num=cfg.max_ckpt_num, request_id=f"step{step}"), timeout=cfg.rpc_timeout_s)
         if cfg.save_hf_ckpt:
-            await self.learner.ExportHF(learner_pb2.ExportHFRequest(output_dir=f"{reply.path.rstrip('/')}_hf"),
-                                        timeout=cfg.rpc_timeout_s)
+            await self.learner.ExportHF(export_request(cfg, f"{reply.path.rstrip('/')}_hf"), timeout=cfg.rpc_timeout_s)
         # The learner's files are complete (its marker is in place): coordinator.json, then `latest`.
         checkpoint.commit(cfg.ckpt_path, self.state, cfg.max_ckpt_num)
         self.control.last_checkpoint_step = step

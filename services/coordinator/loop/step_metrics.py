@@ -1,5 +1,6 @@
-"""A step's logged metrics (rewards, lengths, KL, advantages, phase times, throughput), also
-observed into the coordinator's Prometheus series."""
+"""A step's logged metrics (rewards, reward logs and rewards per difficulty / data source, lengths
+and the truncated share, KL, advantages, phase times, throughput), also observed into the
+coordinator's Prometheus series."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 
 from rlmesh.rollout.v1 import rollout_pb2
 from services.coordinator.loop import metrics as prom
+from services.coordinator.loop.group_rewards import group_rewards
 from services.coordinator.loop.reward_logs import reward_metrics
 
 
@@ -29,7 +31,11 @@ def step_metrics(cfg, state, step: int, collector, batch: dict, gen: dict, times
          "kl/coef": state.kl_coef,
          "samples/generated": len(all_samples), "samples/trained": batch["count"],
          "progress/episode": state.episode, "progress/prompts_consumed": state.prompts_consumed}
-    m.update(reward_metrics(all_samples))
+    logs = reward_metrics(all_samples)
+    for key, value in logs.items():
+        prom.REWARD_LOG.labels(key.removeprefix("reward/")).set(value)
+    m.update(logs)
+    m.update(group_rewards(all_samples))
     if batch["count"]:
         mask = batch["mask"]
         per_sample_kl = (batch["kl"] * mask).sum(1) / mask.sum(1).clamp(min=1)

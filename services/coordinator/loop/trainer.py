@@ -51,8 +51,9 @@ from services.coordinator.loop.members import Members
 from services.coordinator.loop.metrics import MetricsLog
 from services.coordinator.loop.rollout_pool import RolloutPool
 from services.coordinator.loop.run_state import Endpoints, RunControl, ServiceEntry
-from services.coordinator.loop.resume import RunCheckpoints
+from services.coordinator.loop.resume import RunCheckpoints, export_request
 from services.coordinator.loop.sample_calls import SampleCalls
+from services.coordinator.loop.samples_log import write_step_samples
 from services.coordinator.loop.scoring_pool import ScoringPool
 from services.coordinator.loop.step_metrics import step_metrics
 from services.coordinator.loop.weight_sync import WeightSync
@@ -339,6 +340,7 @@ class Trainer(RunCheckpoints):
         metrics.update(staleness)
         if self.agents is not None:
             metrics.update(self.agents.step_metrics(collector.all_samples()))
+        write_step_samples(self.metrics.run_dir, step, collector.all_samples(), cfg.log_samples)
         return metrics
 
     # ------------------------------------------------------------------------------------------
@@ -444,12 +446,11 @@ class Trainer(RunCheckpoints):
             await self.save_checkpoint(step)
         if cfg.save_path and step > 0 and not c.stop_requested:
             await self.colocation.reload_learner()
-            await self.learner.ExportHF(learner_pb2.ExportHFRequest(output_dir=cfg.save_path), timeout=cfg.rpc_timeout_s)
+            await self.learner.ExportHF(export_request(cfg, cfg.save_path), timeout=cfg.rpc_timeout_s)
             log_event(_log, "model.exported", path=cfg.save_path)
             if cfg.save_value_network and self.use_critic:
                 critic_path = cfg.save_path.rstrip("/") + "_critic"  # OpenRLHF's place for it
-                await self.learner.ExportHF(learner_pb2.ExportHFRequest(output_dir=critic_path, critic=True),
-                                            timeout=cfg.rpc_timeout_s)
+                await self.learner.ExportHF(export_request(cfg, critic_path, critic=True), timeout=cfg.rpc_timeout_s)
                 log_event(_log, "model.exported", path=critic_path, model="critic")
 
 
