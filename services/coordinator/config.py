@@ -275,6 +275,8 @@ class CoordinatorConfig(ServerConfig):
                                          "run stops with an error naming the role, what it asks and what the "
                                          "cluster has")
     run_dir: str = opt("", "folder of metrics.jsonl, service logs and plots; empty = runs/<run name>")
+    dry_run: bool = opt(False, "check the flags, model folders, data and reward source, print the plan (each service, "
+                        "its GPUs, a memory estimate) and exit; nothing is started")
     plots: bool = opt(True, "draw the run's curves into run_dir/plots/ when it ends (`rlmesh plot RUN_DIR` "
                       "draws them at any time)")
     progress_bar: bool = opt(True, "show a progress bar per step when stderr is a terminal")

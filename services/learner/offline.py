@@ -115,6 +115,8 @@ class OfflineConfig(DeepSpeedOptions):
                                 "rejected sequences of RM / DPO pairs) into one row without padding; attention "
                                 "stays within each sequence (sdpa finds the boundaries from the position ids, "
                                 "--attn_implementation varlen and --flash_attn are given them)")
+    dry_run: bool = opt(False, "check the flags, the model folder and the data, print the plan (ranks, steps, a "
+                        "memory estimate) and exit; nothing is started")
     max_steps: int = opt(0, "optimizer steps of the run: data rows // train_batch_size x max_epochs", derived=True)
 
     def validate(self) -> None:
@@ -394,6 +396,10 @@ class OfflineTrainer:
     def run(self) -> dict[str, float]:
         """Trains, evaluates and saves; returns the last evaluation (or training) metrics."""
         config = self.config
+        if config.dry_run:  # checked and planned, nothing started (services/learner/offline_plan.py)
+            from services.learner.offline_plan import print_offline_plan
+
+            return print_offline_plan(self)
         rank, world = start_distributed()
         from transformers import AutoTokenizer
 

@@ -76,6 +76,8 @@ class EvalConfig:
     output: str = opt("", "also write the metrics as JSON to this file")
     service_start_timeout_s: float = opt(900.0, "how long to wait for a started service to report SERVING")
     rpc_timeout_s: float = opt(1800.0, "deadline of the Generate and Score calls")
+    dry_run: bool = opt(False, "check the flags, the data and the reward source, print what would be evaluated "
+                        "and which services would start, and exit; nothing is started")
 
     def validate(self) -> None:
         # The services this command starts run elsewhere than the user's working directory.
@@ -149,6 +151,8 @@ async def run_eval(config: EvalConfig) -> dict[str, float]:
                                     config.max_samples, config.seed)
     except DatasetError as exc:
         raise ConfigError(str(exc)) from exc
+    if config.dry_run:
+        return dry_run_plan(config, len(prompts))
     settings = service_settings(config)
     log_dir = pathlib.Path(config.run_dir) / "logs"
     env = {"VLLM_CPU_KVCACHE_SPACE": "1"} if config.device == "cpu" else {}
@@ -180,9 +184,23 @@ async def run_eval(config: EvalConfig) -> dict[str, float]:
         await asyncio.to_thread(stop_all, started, 30.0)
 
 
+def dry_run_plan(config: EvalConfig, prompts: int) -> dict:
+    """--dry_run: what would be evaluated and which services would start; nothing is started."""
+    source = (f"reward services at {', '.join(config.reward_addresses)}" if config.reward_addresses else
+              f"a reward service ({config.reward_func or config.reward_pretrain or config.remote_rm_url})")
+    rollout = (f"rollout services at {', '.join(config.rollout_addresses)}" if config.rollout_addresses else
+               f"a rollout service ({config.rollout_engine}, {config.pretrain}, on {config.device})")
+    print(f"dry run (eval): nothing was started\ndata     {config.dataset}: {prompts} usable prompts x "
+          f"{config.n_samples_per_prompt} samples (temperature {config.temperature})\nservices {rollout}; {source}",
+          flush=True)
+    return {}
+
+
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(EvalConfig, argv, description=EvalConfig.__doc__)
     metrics = asyncio.run(run_eval(config))  # a user error: run_command prints its message (exit 2)
+    if config.dry_run:
+        return 0
     text = json.dumps(metrics, indent=1, sort_keys=True)
     print(text)
     if config.output:

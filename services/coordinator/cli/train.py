@@ -216,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     without usable rows) propagates to run_command, which prints it without a traceback (exit 2).
     A run that started and failed exits 1 (a user error's message again without a traceback)."""
     config = parse(argv)
+    if config.dry_run:
+        from services.coordinator.cli.dry_run import print_plan
+
+        return print_plan(config)
     try:
         return asyncio.run(run(config))
     except KeyboardInterrupt:
