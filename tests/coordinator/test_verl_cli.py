@@ -83,9 +83,11 @@ def test_a_verl_grpo_command_becomes_the_same_rlmesh_run(tiny_model_dir, tiny_re
     # veRL's defaults where rlmesh's differ: no KL at all unless asked, and the rest as veRL has it.
     one_cpu = [f"data.train_files={train}", f"actor_rollout_ref.model.path={tiny_model_dir}", "trainer.n_gpus_per_node=1",
                "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "trainer.logger=console"]
+    (tmp_path / "r.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                   "    return 0.0\n")  # a missing reward file fails at validation
     cfg, _, _ = config_of([*one_cpu, "algorithm.norm_adv_by_std_in_grpo=False", "algorithm.adv_estimator=grpo",
                            "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.clip_ratio_high=0.28",
-                           "custom_reward_function.path=r.py",
+                           f"custom_reward_function.path={tmp_path / 'r.py'}",
                            "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum",
                            "actor_rollout_ref.rollout.top_k=null", "trainer.total_training_steps=null"])
     assert (cfg.init_kl_coef, cfg.use_kl_loss, cfg.advantage_estimator) == (0.0, False, "dr_grpo")
