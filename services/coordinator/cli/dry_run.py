@@ -173,8 +173,12 @@ def print_plan(cfg: CoordinatorConfig, out=None) -> int:
     source = _reward_source(cfg)
     prompts, steps = _data(cfg)
     params = parameter_count(cfg.pretrain)
-    where = (f"services on {cfg.device}" if cfg.on_gpu or cfg.placement != "local" else
-             "services on the CPU here: GPU-only flags were turned off; add --device cuda to plan the GPU run")
+    if cfg.placement != "local":
+        where = "services where the cluster puts them (it was not contacted)"
+    elif cfg.on_gpu:
+        where = "services on this machine's GPUs"
+    else:
+        where = "services on the CPU here: GPU-only flags were turned off; add --device cuda to plan the GPU run"
     lines = [f"dry run: nothing was started ({cfg.placement} placement, {where})",
              f"policy   {cfg.pretrain} ({f'{params:,}' if params else 'unknown number of'} parameters)",
              f"rewards  {source}",
