@@ -80,11 +80,23 @@ def write_inputs(scratch: pathlib.Path) -> dict[str, pathlib.Path]:
 
 
 def verl_command(job, model, paths, work: pathlib.Path, scratch: pathlib.Path, args) -> list[str]:
+    return as_command(verl_overrides(job, model, paths, scratch, args))
+
+
+def as_command(overrides: dict) -> list[str]:
+    return [sys.executable, "-m", "verl.trainer.main_ppo", *(f"{key}={value}" for key, value in overrides.items())]
+
+
+def verl_overrides(job, model, paths, scratch: pathlib.Path, args, prompt_max_len: int = PROMPT_MAX_LEN,
+                   learning_rate: float = LEARNING_RATE, samples_per_prompt: int = SAMPLES_PER_PROMPT) -> dict:
+    """veRL's hydra overrides for a job (vs_peers.Job's max_tokens, micro_batch_tokens, name) and the
+    benchmark's options (prompts_per_step, gpu_memory_utilization, steps, liger); learn_peers.py
+    adds its own on top."""
     A, R = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout."  # noqa: N806
     overrides = {
         "algorithm.adv_estimator": "grpo", "algorithm.use_kl_in_reward": False,
         "data.train_files": paths["verl_data"], "data.val_files": paths["verl_data"],
-        "data.train_batch_size": args.prompts_per_step, "data.max_prompt_length": PROMPT_MAX_LEN,
+        "data.train_batch_size": args.prompts_per_step, "data.max_prompt_length": prompt_max_len,
         "data.max_response_length": job.max_tokens, "data.shuffle": False, "data.seed": 42,
         "data.truncation": "error", "data.filter_overlong_prompts": False,
         "actor_rollout_ref.hybrid_engine": True, "actor_rollout_ref.model.path": model,
@@ -94,18 +106,18 @@ def verl_command(job, model, paths, work: pathlib.Path, scratch: pathlib.Path, a
         "+actor_rollout_ref.model.override_config.attn_implementation": "sdpa",
         A + "strategy": "fsdp", A + "fsdp_config.dtype": "bfloat16",
         A + "fsdp_config.param_offload": False, A + "fsdp_config.optimizer_offload": False,
-        A + "optim.lr": LEARNING_RATE, A + "optim.lr_warmup_steps_ratio": 0,
+        A + "optim.lr": learning_rate, A + "optim.lr_warmup_steps_ratio": 0,
         A + "optim.lr_scheduler_type": "constant", A + "optim.weight_decay": 0.0,
         A + "ppo_mini_batch_size": args.prompts_per_step, A + "ppo_epochs": 1,
         # token-budgeted micro-batches (veRL's performance-tuning advice), the budget rlmesh's command gets
         A + "use_dynamic_bsz": True, A + "ppo_max_token_len_per_gpu": job.micro_batch_tokens,
         A + "use_kl_loss": False, A + "entropy_coeff": 0,
-        R + "name": "vllm", R + "mode": "async", R + "n": SAMPLES_PER_PROMPT, R + "temperature": 1.0,
+        R + "name": "vllm", R + "mode": "async", R + "n": samples_per_prompt, R + "temperature": 1.0,
         R + "tensor_model_parallel_size": 1, R + "gpu_memory_utilization": args.gpu_memory_utilization,
         # veRL's hybrid-engine default: vLLM sleeps (weights and KV cache freed) while FSDP trains
         R + "free_cache_engine": True,
         R + "log_prob_use_dynamic_bsz": True, R + "log_prob_max_token_len_per_gpu": job.micro_batch_tokens,
-        R + "max_model_len": PROMPT_MAX_LEN + job.max_tokens,
+        R + "max_model_len": prompt_max_len + job.max_tokens,
         R + "max_num_seqs": 512, R + "max_num_batched_tokens": 4096,  # rlmesh's and TRL's values
         "reward.custom_reward_function.path": paths["verl_reward"],
         "reward.custom_reward_function.name": "compute_score",
@@ -117,8 +129,7 @@ def verl_command(job, model, paths, work: pathlib.Path, scratch: pathlib.Path, a
     }
     if args.liger:
         overrides["actor_rollout_ref.model.use_liger"] = True
-    return [sys.executable, "-m", "verl.trainer.main_ppo",
-            *(f"{key}={value}" for key, value in overrides.items())]
+    return overrides
 
 
 # veRL's console logger (verl/utils/logger/aggregate_logger.py, concat_dict_to_str) prints
