@@ -125,6 +125,12 @@ def tiny_model_dir_b(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_model_dir(tmp_path_factory) -> Path:
+    """Random tiny Mixtral (4 experts, 2 per token) with the same tokenizer: a model with a router loss."""
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny_mixtral_seed0", arch="mixtral", seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_reward_model_dir(tmp_path_factory) -> Path:
     """Random tiny Qwen2 sequence-classification model, one label, same tokenizer."""
     return make_tiny_reward_model(tmp_path_factory.mktemp("models") / "tiny_reward_seed0", seed=0)

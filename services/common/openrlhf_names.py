@@ -47,6 +47,13 @@ QLORA = ("4-bit base weights (QLoRA) are not supported: LoRA trains adapters ove
          "the model")
 DEEPSPEED_FILE = "set {key} in a DeepSpeed config file given with --deepspeed FILE (laid over rlmesh's config)"
 VISION = "vision-language training is not supported: rlmesh trains text-only causal LMs"
+# OpenRLHF splits each sequence over --ds.ring_attn_size GPUs with the ring_flash_attn package, whose kernels are
+# flash-attn's (CUDA only); rlmesh's learner has neither.
+RING_ATTENTION = ("ring attention (context parallel: one sequence split over several GPUs) needs the ring_flash_attn "
+                  "and flash_attn packages on CUDA GPUs, which rlmesh's learner does not use; give 1 (each sample on "
+                  "one GPU) and fit long samples with --actor.gradient_checkpointing_enable, --ds.packing_samples with "
+                  "--train.dynamic_batch_enable --train.max_tokens_per_gpu N, --ds.zero_stage 3 / --ds.adam_offload, "
+                  "or a shorter --data.max_len / --rollout.max_new_tokens")
 
 
 def _param_dtype(values: list[str]) -> list[str]:
@@ -161,9 +168,8 @@ NAMES: dict[str, Rule | tuple[Rule, ...]] = {
     "ds.deepcompile": Refuse("DeepSpeed's compiler is not supported; drop it"),
     "ds.tensor_parallel_size": Refuse("the learner is data parallel (DeepSpeed ZeRO) only; use --ds.zero_stage 3 "
                                       "to shard a large model", default=("1",)),
-    "ds.ring_attn_size": Refuse("ring attention (context parallel) is not supported: each sample is trained on one "
-                                "GPU; use --actor.gradient_checkpointing_enable for long samples", default=("1",)),
-    "ds.ring_attn_head_stride": Refuse("ring attention (context parallel) is not supported", default=("1",)),
+    "ds.ring_attn_size": Refuse(RING_ATTENTION, default=("1",)),
+    "ds.ring_attn_head_stride": Refuse(RING_ATTENTION, default=("1",)),
     "ds.experts_implementation": Refuse("rlmesh loads MoE models with transformers' default expert kernels; drop it"),
     "ds.value_head_prefix": Refuse("rlmesh's reward models and critics are transformers sequence-classification "
                                    "models whose head is `score`", default=("score",)),
@@ -174,9 +180,7 @@ NAMES: dict[str, Rule | tuple[Rule, ...]] = {
     "ds.lora.dropout": Rename("lora_dropout"),
     "train.dynamic_batch_enable": Rename("use_dynamic_batch"),
     "train.max_tokens_per_gpu": Rename("train_max_tokens_per_gpu"),
-    "rollout.max_tokens_per_gpu": Refuse("log-prob passes hold --rollout.micro_batch_size samples each (dynamic "
-                                         "batches size the training passes only): drop it and size "
-                                         "--rollout.micro_batch_size instead"),
+    "rollout.max_tokens_per_gpu": Rename("rollout_max_tokens_per_gpu"),
     "data.disable_fast_tokenizer": Refuse("rlmesh loads the model's tokenizer as transformers picks it; drop it"),
     "data.dataloader_num_workers": Refuse("rlmesh reads the data in the trainer's process", default=("0",)),
     "train.full_determinism_enable": Refuse("rlmesh seeds the data order and the sampling (--train.seed) but does "
@@ -235,14 +239,15 @@ NAMES: dict[str, Rule | tuple[Rule, ...]] = {
     "reward.remote_url": Rename("remote_rm_url"),
     "model.pretrain_mode_enable": Refuse("SFT's loss covers the response tokens; for a loss over every token put "
                                          "the whole text in --data.output_key with an empty --data.input_key field"),
-    "actor.aux_loss_coef": Refuse("the MoE load-balancing loss is not added", default=("0",)),
-    "model.aux_loss_coef": Refuse("the MoE load-balancing loss is not added", default=("0",)),
+    "actor.aux_loss_coef": Rename("aux_loss_coef"),
+    "model.aux_loss_coef": Rename("aux_loss_coef"),
     # ---- the RL objective ------------------------------------------------------------------------
     "algo.advantage.estimator": Rename("advantage_estimator"),
     "algo.advantage.gamma": Rename("gamma"),
     "algo.advantage.lambd": Rename("lambd"),
     "algo.advantage.no_std_norm": Rename("no_advantage_std_norm"),
-    # Translated together by _is_correction() where the config has --use_tis.
+    # Translated together by _is_correction() where the config has --use_tis (so are the flat names of
+    # OpenRLHF 0.9: --enable_vllm_is_correction, --vllm_is_truncated_threshold, --vllm_is_correction_type).
     "algo.advantage.is_correction_enable": Rename("use_tis"),
     "algo.advantage.is_correction_threshold": Rename("use_tis"),
     "algo.advantage.is_correction_type": Rename("use_tis"),
@@ -266,8 +271,7 @@ NAMES: dict[str, Rule | tuple[Rule, ...]] = {
     "reward.clip_range": Rename("reward_clip_range"),
     "reward.overlong_buffer_len": Rename("overlong_buffer_len", _whole_number("overlong_buffer_len")),
     "reward.overlong_penalty_factor": Rename("overlong_penalty_factor"),
-    "reward.stop_properly_penalty_coef": Refuse("a reward penalty for truncated responses is not supported; "
-                                                "--reward.overlong_buffer_len N penalises responses by length"),
+    "reward.stop_properly_penalty_coef": Rename("stop_properly_penalty_coef"),
     "model.loss_type": Rename("loss"),
     "model.margin_loss_enable": Rename("margin_loss"),
     # The reward model's scores are cast to float32 before the loss anyway: the switch is what rlmesh does.
@@ -322,6 +326,10 @@ ASYNC_RULES: dict[str, Rule] = {
 }
 IS_CORRECTION = ("algo.advantage.is_correction_enable", "algo.advantage.is_correction_threshold",
                  "algo.advantage.is_correction_type")
+# OpenRLHF 0.9's flat names of the same options.
+IS_CORRECTION_FLAT = dict(zip(("enable_vllm_is_correction", "vllm_is_truncated_threshold", "vllm_is_correction_type"),
+                              IS_CORRECTION))
+OPENRLHF_IS_BAND = ("0.5", "5.0")  # --algo.advantage.is_correction_threshold's default
 LENGTHS = ("data.max_len", "rollout.max_new_tokens")
 OPENRLHF_MAX_LEN = 2048  # train_ppo_ray's --data.max_len default
 
@@ -372,24 +380,32 @@ def _lengths(given: dict[str, list[str]]) -> list[str]:
 
 
 def _is_correction(given: dict[str, list[str]]) -> list[str]:
-    """OpenRLHF's vLLM importance-sampling correction as rlmesh's truncated IS (--use_tis --tis_cap)."""
-    enabled = "algo.advantage.is_correction_enable" in given
-    kind = (given.get("algo.advantage.is_correction_type") or ["tis"])[0]
-    low, high = _numbers("algo.advantage.is_correction_threshold",
-                         given.get("algo.advantage.is_correction_threshold") or ["0.5", "5.0"])
-    if not enabled:
+    """OpenRLHF's vLLM importance-sampling correction as rlmesh's --use_tis --tis_low --tis_cap --tis_type,
+    with OpenRLHF's defaults (band [0.5, 5], type tis). A single threshold is OpenRLHF 0.8's cap (no low bound)."""
+    name = "algo.advantage.is_correction_threshold"
+    if "algo.advantage.is_correction_enable" not in given:
         return []
-    if kind != "tis":
-        raise ConfigError(f"--algo.advantage.is_correction_type {kind}: rlmesh's importance-sampling correction is "
-                          "token-level truncation (tis) only; use --algo.advantage.is_correction_type tis with "
-                          "--algo.advantage.is_correction_threshold 0 HIGH, i.e. --use_tis --tis_cap HIGH")
-    if low > 0:
-        raise ConfigError(f"--algo.advantage.is_correction_enable with --algo.advantage.is_correction_threshold "
-                          f"{low:g} {high:g}: OpenRLHF clamps each token's importance weight into [{low:g}, {high:g}], "
-                          f"rlmesh's truncated IS only from above, min(weight, cap) (veRL's TIS); add "
-                          f"--algo.advantage.is_correction_threshold 0 {high:g} (the same as --use_tis --tis_cap "
-                          f"{high:g}) to train with that")
-    return ["--use_tis", "--tis_cap", str(high)]
+    kind = (given.get("algo.advantage.is_correction_type") or ["tis"])
+    band = _numbers(name, given.get(name) or list(OPENRLHF_IS_BAND))
+    if len(band) == 1:
+        band = [0.0, band[0]]
+    if len(kind) != 1 or len(band) != 2:
+        raise ConfigError(f"--{name} LOW HIGH and --algo.advantage.is_correction_type TYPE: got "
+                          f"{' '.join(given.get(name, []))!r} and {' '.join(kind)!r}")
+    if not 0 <= band[0] <= 1 <= band[1]:
+        raise ConfigError(f"--{name} {band[0]:g} {band[1]:g}: the band of importance weights must hold 1 (an "
+                          "on-policy token), LOW in [0, 1] and HIGH >= 1; e.g. OpenRLHF's default 0.5 5")
+    return ["--use_tis", "--tis_low", f"{band[0]:g}", "--tis_cap", f"{band[1]:g}", "--tis_type", kind[0]]
+
+
+def _dotted_is_correction(options: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
+    """OpenRLHF 0.9's flat importance-sampling options as their 0.11 names (translated together)."""
+    given = {name for name, _ in options}
+    for flat, dotted in IS_CORRECTION_FLAT.items():
+        if flat in given and dotted in given:
+            raise ConfigError(f"--{dotted} and --{flat} are the same option (OpenRLHF 0.11's name and the earlier "
+                              "one); give it once")
+    return [(IS_CORRECTION_FLAT.get(name, name), values) for name, values in options]
 
 
 def _rule(name: str, fields: set[str]) -> Rule | None:
@@ -406,6 +422,8 @@ def translate_argv(cls, argv: list[str]) -> list[str]:
     fields = {f.name for f in dataclasses.fields(cls)}
     unsupported = getattr(cls, "UNSUPPORTED_FLAGS", {})
     options = split_options(argv)
+    if "use_tis" in fields:
+        options = _dotted_is_correction(options)
     joint = {n: v for n, v in options
              if (n in IS_CORRECTION and "use_tis" in fields) or (n in LENGTHS and "max_len" not in fields)}
     async_train = any(n == "train.async_enable" for n, _ in options) and "async_train" in fields

@@ -288,6 +288,7 @@ def policy_loss(
     level: LossLevel = "token",
     normalizer: float | None = None,
     is_weights: torch.Tensor | None = None,
+    behaviour_logp: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """PPO clipped surrogate loss.
 
@@ -296,8 +297,12 @@ def policy_loss(
     GSPO ratio exp(masked mean of the log-ratio) shared by all tokens of a sequence.
     loss_t = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A); eps_high defaults to
     eps_low. dual_clip = c > 1 bounds the loss where A < 0: loss_t = -max(min(...), c * A).
-    is_weights (B, T), constants (truncated_is_weights): loss_t is multiplied by them (TIS).
-    Aggregated by aggregate_loss(level, normalizer). Metrics are masked means over tokens.
+    is_weights (B, T), constants (services.common.is_correction): loss_t is multiplied by them.
+    behaviour_logp (B, T), GSPO only: the rollout engine's log-probs, which replace old_logp in the
+    sequence ratio (OpenRLHF's importance-sampling correction for GSPO: one ratio from the
+    behaviour policy to the new one, instead of per-token weights).
+    Aggregated by aggregate_loss(level, normalizer). Metrics are masked means over tokens (ppo_kl
+    against old_logp in every case).
     """
     if eps_high is None:
         eps_high = eps_low
@@ -305,9 +310,13 @@ def policy_loss(
         raise ValueError(f"dual_clip must be > 1 (or None to disable), got {dual_clip}")
     log_ratio = logp.float() - old_logp.float()
     if ratio_type == "sequence":
-        log_ratio = gspo_sequence_log_ratio(logp, old_logp, mask)  # (B, 1)
+        base = old_logp if behaviour_logp is None else behaviour_logp
+        log_ratio = gspo_sequence_log_ratio(logp, base, mask)  # (B, 1)
     elif ratio_type != "token":
         raise ValueError(f"ratio_type must be 'token' or 'sequence', got {ratio_type!r}")
+    elif behaviour_logp is not None:
+        raise ValueError("behaviour_logp replaces old_logp in GSPO's sequence ratio only; weight token ratios "
+                         "with is_weights")
     ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
     advantages = advantages.float()
     unclipped = ratio * advantages  # (B, T)
@@ -322,20 +331,6 @@ def policy_loss(
         clip_ratio = masked_mean((clipped < unclipped).float(), mask)
         ppo_kl = masked_mean(old_logp.float() - logp.float(), mask)
     return PolicyLossOutput(loss, clip_ratio, ppo_kl)
-
-
-def truncated_is_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
-                         cap: float) -> torch.Tensor:
-    """Truncated importance sampling (TIS) weights of the policy loss, per token.
-
-    old_logp: log-probs of the sampled tokens under the policy being trained, before the update
-    (what the PPO ratio divides by); rollout_logp: under the weights that generated them, as the
-    rollout engine reported (the behaviour policy, older by the async lag and computed by another
-    kernel); mask: (B, T). Returns (B, T) min(exp(old_logp - rollout_logp), cap), 0 where mask is 0,
-    without grad. The PPO ratio corrects from old to new policy; this corrects behaviour to old.
-    """
-    log_ratio = (old_logp.float() - rollout_logp.float()).clamp(-20.0, 20.0)
-    return (torch.exp(log_ratio).clamp(max=cap) * mask).detach()
 
 
 def value_loss(

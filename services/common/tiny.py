@@ -24,6 +24,8 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -184,7 +186,9 @@ def _save(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, out_dir: P
 def make_tiny_model(out_dir: str | Path, arch: str = "qwen2", size: str = "tiny", seed: int = 0) -> Path:
     """Writes a random-initialised causal LM with its tokenizer into out_dir; returns the path.
 
-    arch: "qwen2" (Qwen2ForCausalLM) or "llama" (LlamaForCausalLM); size: a key of SHAPES ("tiny", "small", "qwen2.5-0.5b").
+    arch: "qwen2" (Qwen2ForCausalLM), "llama" (LlamaForCausalLM) or "mixtral" (MixtralForCausalLM, a
+    mixture of experts: 4 experts, 2 per token, the MLP size split among them); size: a key of SHAPES
+    ("tiny", "small", "qwen2.5-0.5b").
     Weights are float32 on disk and depend only on seed.
     """
     tokenizer = build_tokenizer()
@@ -193,8 +197,11 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen2", size: str = "tiny"
         config, model_cls = Qwen2Config(**kwargs), Qwen2ForCausalLM
     elif arch == "llama":
         config, model_cls = LlamaConfig(**kwargs, attention_bias=False, mlp_bias=False), LlamaForCausalLM
+    elif arch == "mixtral":
+        kwargs["intermediate_size"] //= 2  # 4 experts, 2 active: about the dense model's compute per token
+        config, model_cls = MixtralConfig(**kwargs, num_local_experts=4, num_experts_per_tok=2), MixtralForCausalLM
     else:
-        raise ValueError(f"arch must be 'qwen2' or 'llama', got {arch!r}")
+        raise ValueError(f"arch must be 'qwen2', 'llama' or 'mixtral', got {arch!r}")
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
     # Generation stops at the end of a chat turn or at end-of-text, whichever comes first.
@@ -290,7 +297,8 @@ def main_make_tiny_model(argv: list[str] | None = None) -> int:
         description="Write a random-initialised tiny model with a locally trained tokenizer (no downloads).",
     )
     parser.add_argument("out", help="output folder (created if missing)")
-    parser.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"], help="model architecture")
+    parser.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "mixtral"],
+                        help="model architecture (mixtral: a mixture of experts)")
     parser.add_argument(
         "--size", default="tiny", choices=sorted(SHAPES), help="tiny (~0.6M params, tests), small (~3M, quickstart) or qwen2.5-0.5b (~359M, GPU benchmarks)"
     )

@@ -21,8 +21,10 @@ from typing import ClassVar
 from services.common import flags
 from services.common.config import ConfigError, check_fields, opt
 from services.common.deepspeed_file import apply_flags, check_batches, read_deepspeed_file
+from services.common.is_correction import IS_CORRECTION_TYPES
 from services.common.lora_check import check_lora
 from services.common.openrlhf_compat import check_imports
+from services.common.moe_check import check_aux_loss_coef
 from services.common.paths import absolute_paths, resolve_path_fields
 # The estimators and what each needs (a critic, a group of samples per prompt) come from the maths.
 from services.common.rl_math import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS
@@ -149,6 +151,12 @@ class CoordinatorConfig(ServerConfig):
     packing_samples: bool = flags.PACKING_SAMPLES.field(False)
     use_dynamic_batch: bool = flags.USE_DYNAMIC_BATCH.field(False)
     train_max_tokens_per_gpu: int = flags.TRAIN_MAX_TOKENS_PER_GPU.field(16384)
+    rollout_max_tokens_per_gpu: int | None = opt(
+        None, "with --use_dynamic_batch: most tokens in one micro-batch of the learner's packed forward passes "
+        "(the old policy's log-probs, the critic's values; OpenRLHF's experience passes); unset = "
+        "--train_max_tokens_per_gpu")
+    aux_loss_coef: float = opt(0.0, "MoE models: weight of the router's load-balancing loss added to the actor's "
+                               "loss (transformers' aux_loss with output_router_logits); 0 = none")
     lora_rank: int = flags.LORA_RANK.field(0)
     lora_alpha: float = flags.LORA_ALPHA.field(16.0)
     target_modules: list[str] = flags.TARGET_MODULES.field(["all-linear"])
@@ -182,6 +190,9 @@ class CoordinatorConfig(ServerConfig):
     dynamic_filtering_max_rounds: int = opt(8, "with --dynamic_filtering, extra generation rounds per step before training on fewer prompts")
     overlong_buffer_len: int = opt(0, "DAPO overlong penalty: responses longer than generate_max_len - N are penalised; 0 = off")
     overlong_penalty_factor: float = opt(1.0, "penalty at generate_max_len with --overlong_buffer_len")
+    stop_properly_penalty_coef: float | None = opt(
+        None, "ProRL's penalty for responses that did not stop (cut at --generate_max_len): in [0, 1] their reward "
+        "is multiplied by it, below 0 it replaces their reward; unset = off")
 
     # ---- sampling -----------------------------------------------------------------------------
     temperature: float = opt(1.0, "sampling temperature")
@@ -200,10 +211,18 @@ class CoordinatorConfig(ServerConfig):
     partial_rollout: bool = opt(False, "with --async_train: a weight push does not wait for running generations; "
                                 "they pause, take the new weights and continue, so a sample's tokens may carry two "
                                 "or more versions (its oldest token's counts for --max_staleness); needs vLLM engines")
-    use_tis: bool = opt(False, "truncated importance sampling: weight each token's policy loss by "
-                        "min(exp(old_logprob - rollout_logprob), --tis_cap), the rollout engine's own log-probs "
-                        "being the behaviour policy (corrects for --async_train lag and engine/learner mismatch)")
-    tis_cap: float = opt(2.0, "with --use_tis: the cap of the importance weight (veRL's tis_imp_ratio_cap)")
+    use_tis: bool = opt(False, "importance-sampling correction: weight each token's policy loss by "
+                        "w = exp(old_logprob - rollout_logprob) within the band [--tis_low, --tis_cap] as --tis_type "
+                        "says, the rollout engine's own log-probs being the behaviour policy (corrects for "
+                        "--async_train lag and engine/learner mismatch); with GSPO the sequence ratio is taken from "
+                        "the engine's log-probs instead")
+    tis_cap: float = opt(2.0, "with --use_tis: the upper bound of the band (veRL's tis_imp_ratio_cap)")
+    tis_low: float = opt(0.0, "with --use_tis: the lower bound of the band, in [0, 1]; 0 = a cap from above only "
+                         "(veRL's truncated IS; OpenRLHF's default band is 0.5 5)")
+    tis_type: str = opt("tis", "with --use_tis: tis = w clamped into the band; icepop = w inside the band, 0 "
+                        "outside; seq-mask-tis = whole sequences dropped when their geometric-mean w is outside "
+                        "the band, the others' tokens weighted by w (OpenRLHF's is_correction_type)",
+                        choices=list(IS_CORRECTION_TYPES))
     agent_func_path: str = opt("", "Python file with OpenRLHF's agent API (class AgentExecutor / AgentInstance "
                                "with async reset and step): multi-turn episodes; empty = single-turn samples")
     agent_max_turns: int = opt(8, "with --agent_func_path: model turns per episode at most")
@@ -601,6 +620,18 @@ class CoordinatorConfig(ServerConfig):
             warnings.warn(f"--advantage_estimator {self.advantage_estimator} trains no critic; "
                           "--critic_pretrain / --save_value_network are ignored", stacklevel=2)
 
+    def _check_token_budgets(self) -> None:
+        """--rollout_max_tokens_per_gpu bounds the packed forward passes that --use_dynamic_batch sizes by tokens."""
+        if self.rollout_max_tokens_per_gpu is None:
+            return
+        if self.rollout_max_tokens_per_gpu < 1:
+            raise ConfigError(f"--rollout_max_tokens_per_gpu {self.rollout_max_tokens_per_gpu} must be >= 1 (tokens "
+                              "in one forward micro-batch of a learner rank; unset = --train_max_tokens_per_gpu)")
+        if not self.use_dynamic_batch:
+            warnings.warn(f"--rollout_max_tokens_per_gpu {self.rollout_max_tokens_per_gpu} has no effect without "
+                          "--use_dynamic_batch (as in OpenRLHF): forward passes hold --micro_rollout_batch_size "
+                          "samples each", stacklevel=3)
+
     def _check_values(self) -> None:
         """Numbers that make no sense fail here, before any service starts (never reinterpreted)."""
         for name in ("init_kl_coef", "eps_clip", "value_clip", "entropy_loss_coef", "kl_target"):
@@ -625,6 +656,12 @@ class CoordinatorConfig(ServerConfig):
         if self.lora_merge_on_save and not self.lora_rank:
             raise ConfigError("--lora_merge_on_save merges a LoRA adapter into the saved model, but --lora_rank is 0; "
                               "give --lora_rank N, or drop --lora_merge_on_save")
+        check_aux_loss_coef(self.aux_loss_coef, self.pretrain if self.pretrain and
+                            pathlib.Path(self.pretrain, "config.json").is_file() else "")
+        self._check_token_budgets()
+        if self.stop_properly_penalty_coef is not None and self.stop_properly_penalty_coef > 1:
+            raise ConfigError(f"--stop_properly_penalty_coef {self.stop_properly_penalty_coef} must be in [0, 1] (the "
+                              "factor on a truncated response's reward) or negative (the reward it gets instead)")
         if self.lora_rank and self.vllm_quantization:
             raise ConfigError(f"--lora_rank {self.lora_rank} with --vllm_quantization {self.vllm_quantization}: the "
                               "engines merge each pushed adapter into their weights, which a quantized engine cannot "
@@ -661,6 +698,8 @@ class CoordinatorConfig(ServerConfig):
                               "--partial_rollout")
         if self.use_tis and not self.tis_cap >= 1:
             raise ConfigError(f"--tis_cap {self.tis_cap} must be >= 1 (e.g. 2.0)")
+        if self.use_tis and not 0 <= self.tis_low <= 1:
+            raise ConfigError(f"--tis_low {self.tis_low} must be in [0, 1] (e.g. 0.5; 0 = a cap from above only)")
         if not self.agent_func_path:
             return
         path = pathlib.Path(self.agent_func_path)

@@ -23,6 +23,8 @@ class LearnerConfig(ServerConfig, DeepSpeedOptions):
     critic_learning_rate: float = flags.CRITIC_LEARNING_RATE.field(9e-6)
     use_dynamic_batch: bool = flags.USE_DYNAMIC_BATCH.field(False)
     train_max_tokens_per_gpu: int = flags.TRAIN_MAX_TOKENS_PER_GPU.field(16384)
+    rollout_max_tokens_per_gpu: int = opt(0, "with --use_dynamic_batch: most tokens in one micro-batch of a packed "
+                                          "LogProbs / Values call on one rank; 0 = --train_max_tokens_per_gpu")
     micro_forward_batch_size: int = opt(8, "samples per forward pass on one rank in LogProbs and Values")
     logprobs_head: str = opt("full", "training: how response log-probs come from the model. full: the model's "
                              "logits, log-softmax over them; chunked: from the hidden states of the response "
@@ -73,6 +75,9 @@ class LearnerConfig(ServerConfig, DeepSpeedOptions):
         if self.use_dynamic_batch and not self.packing_samples:
             raise ConfigError("--use_dynamic_batch sizes micro-batches by their tokens, which needs --packing_samples "
                               "(samples end to end, no padding): add --packing_samples, or drop --use_dynamic_batch")
+        if self.rollout_max_tokens_per_gpu < 0:
+            raise ConfigError(f"--rollout_max_tokens_per_gpu {self.rollout_max_tokens_per_gpu} must be >= 0 "
+                              "(0 = --train_max_tokens_per_gpu)")
         if self.micro_forward_batch_size < 1:
             raise ConfigError(f"--micro_forward_batch_size {self.micro_forward_batch_size} must be >= 1")
         if self.logprobs_chunk_tokens < 1:

@@ -22,12 +22,13 @@ import torch
 import torch.distributed as dist
 
 from services.common import rl_math
+from services.common.is_correction import is_correction_weights, rollout_kl
 from services.common.crash_points import crash_point
 from services.common.errors import failed_precondition
 from services.common.log import get_logger, log_event
 from services.common.logprobs import sequence_logprobs, token_logprobs
 from services.common import ownership
-from services.learner import checkpoint, host_offload, logprob_head, universal, warmup
+from services.learner import checkpoint, host_offload, logprob_head, moe_aux, universal, warmup
 from services.learner.batches import MicroBatch, Sample, StepPlan, collate, ragged_rows
 from services.learner.config import LearnerConfig
 from services.learner.export_dtype import checkpoint_dtype, export_dtype, record_dtype
@@ -183,19 +184,22 @@ class LearnerRank:
         logits = forward_micro_batch(self.critic, mb).logits  # (rows, T, 1)
         return logits[:, :-1, 0].reshape(-1)[mb.out_index].float()
 
-    def actor_outputs(self, mb: MicroBatch, temperature: float, want_entropy: bool):
-        """(B, R) log-probs of the response tokens, and their entropies when asked (else None)."""
+    def actor_outputs(self, mb: MicroBatch, temperature: float, want_entropy: bool, want_aux: bool = False):
+        """(B, R) log-probs of the response tokens, their entropies when asked (else None), and the
+        MoE router's load-balancing loss when asked (else None)."""
         if self.config.logprobs_head != "full":
             return logprob_head.response_outputs(self.actor.module, mb, temperature, self.config.logprobs_head,
-                                                 self.config.logprobs_chunk_tokens, want_entropy)
-        logits = forward_micro_batch(self.actor, mb).logits  # (rows, T, V)
+                                                 self.config.logprobs_chunk_tokens, want_entropy, want_aux)
+        outputs = forward_micro_batch(self.actor, mb, **(moe_aux.ROUTER_KWARGS if want_aux else {}))
+        aux = moe_aux.router_aux_loss(self.actor, outputs, mb.attention_mask) if want_aux else None
+        logits = outputs.logits  # (rows, T, V)
         vocab = logits.shape[-1]
         # Only the response positions go through the log-softmax: prompts can be long.
         response_logits = logits[:, :-1].reshape(-1, vocab)[mb.out_index]  # (B, R, V)
         labels = mb.input_ids[:, 1:].reshape(-1)[mb.out_index]  # (B, R)
         logp = token_logprobs(response_logits, labels, temperature)
         entropy = rl_math.entropy_from_logits(response_logits, temperature) if want_entropy else None
-        return logp, entropy
+        return logp, entropy, aux
 
     # ------------------------------------------------------------------------------------------
     # Training
@@ -258,7 +262,8 @@ class LearnerRank:
         policy_level = loss_cfg.get("policy_level", level)
         temperature = loss_cfg["temperature"]
         kl_coef, entropy_coef = loss_cfg["kl_coef"], loss_cfg["entropy_coef"]
-        tis_cap = loss_cfg.get("tis_cap", 0.0)
+        tis_cap, aux_coef = loss_cfg.get("tis_cap", 0.0), loss_cfg.get("aux_loss_coef", 0.0)
+        gspo = loss_cfg["ratio_type"] == "sequence"
 
         def micro_loss(mb: MicroBatch, step: StepPlan):
             # Each term is normalised by the global batch's count of its own unit (tokens or
@@ -266,20 +271,33 @@ class LearnerRank:
             normalizer = step.tokens if level == "token" else step.sequences
             policy_normalizer = step.tokens if policy_level == "token" else step.sequences
             mask = mb.action_mask
-            logp, entropy = self.actor_outputs(mb, temperature, entropy_coef != 0)
-            # TIS: the rollout engine's log-probs are the behaviour policy (async lag, other kernels).
-            is_weights = (rl_math.truncated_is_weights(mb.fields["old_logprobs"], mb.fields["rollout_logprobs"], mask,
-                                                       tis_cap) if tis_cap > 0 else None)
-            out = rl_math.policy_loss(logp, mb.fields["old_logprobs"], mb.fields["advantages"], mask,
+            old = mb.fields["old_logprobs"]
+            logp, entropy, aux = self.actor_outputs(mb, temperature, entropy_coef != 0, aux_coef > 0)
+            # Importance-sampling correction: the rollout engine's log-probs are the behaviour policy
+            # (async lag, other kernels). Token weights for PPO; GSPO takes its sequence ratio from them.
+            rollout = mb.fields["rollout_logprobs"] if tis_cap > 0 else None
+            is_weights = (is_correction_weights(old, rollout, mask, loss_cfg["is_correction_type"],
+                                                loss_cfg["tis_low"], tis_cap) if rollout is not None and not gspo
+                          else None)
+            out = rl_math.policy_loss(logp, old, mb.fields["advantages"], mask,
                                       eps_low=loss_cfg["eps_low"], eps_high=loss_cfg["eps_high"],
                                       dual_clip=loss_cfg["dual_clip"], ratio_type=loss_cfg["ratio_type"],
-                                      level=policy_level, normalizer=policy_normalizer, is_weights=is_weights)
+                                      level=policy_level, normalizer=policy_normalizer, is_weights=is_weights,
+                                      behaviour_logp=rollout if gspo else None)
             loss = out.loss
             tokens = mask.sum()
             stats = {"policy_loss": out.loss, "clip_ratio": out.clip_ratio * tokens, "ppo_kl": out.ppo_kl * tokens,
                      "tokens": tokens}
+            if rollout is not None:  # means per token once divided by the tokens
+                stats["rollout_kl"] = rollout_kl(old, rollout, mask) * tokens
             if is_weights is not None:
-                stats["tis_weight"] = is_weights.sum()  # a mean per token once divided by tokens
+                stats["tis_weight"] = is_weights.sum()
+            if aux is not None:
+                # OpenRLHF adds coef x aux_loss to every micro-batch's loss, which DeepSpeed then
+                # averages: here each micro-batch's share of that mean over the step's micro-batches.
+                share = aux.float() / (len(step.micro_batches) * self.spec.world_size)
+                loss = loss + aux_coef * share
+                stats["aux_loss"] = share.detach()
             if kl_coef > 0:
                 kl = rl_math.kl_loss(logp, mb.fields["ref_logprobs"], mask, loss_cfg["kl_estimator"], level,
                                      normalizer)

@@ -26,6 +26,8 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from services.learner import moe_aux
+
 HEADS = ("full", "chunked", "fused")
 
 
@@ -183,24 +185,29 @@ def backbone_kwargs(model, mb) -> dict:
     return kwargs
 
 
-def forward_micro_batch(model, mb):
+def forward_micro_batch(model, mb, **extra):
     """The model's output on a MicroBatch. Padded: positions from the mask. Packed: the given
     positions and no mask, from which transformers keeps attention within each sample (it does so
     only without a KV cache, hence use_cache=False), or with varlen / flash attention the
-    samples' boundaries. model: a transformers model or a DeepSpeed engine around one."""
-    return model(**backbone_kwargs(getattr(model, "module", model), mb))
+    samples' boundaries. model: a transformers model or a DeepSpeed engine around one; extra: more
+    forward arguments (e.g. services.learner.moe_aux.ROUTER_KWARGS)."""
+    return model(**backbone_kwargs(getattr(model, "module", model), mb), **extra)
 
 
-def response_outputs(model, mb, temperature: float, head: str, chunk_tokens: int, want_entropy: bool):
+def response_outputs(model, mb, temperature: float, head: str, chunk_tokens: int, want_entropy: bool,
+                     want_aux: bool = False):
     """(B, R) log-probs (and entropies) of a MicroBatch's response tokens under a causal LM; 0 at padding.
 
     model: a transformers *ForCausalLM whose logits are lm_head(last hidden state) (Qwen2, Llama), or a
     PEFT model around one.
     head: "chunked" or "fused" (entropies always go the chunked way).
+    Returns (log-probs, entropies or None, the MoE router's balancing loss when want_aux else None).
     """
     # A PEFT (LoRA) model wraps the causal LM, whose layers carry the adapters: its backbone and head.
     model = model.get_base_model() if hasattr(model, "get_base_model") else model
-    hidden = model.base_model(**backbone_kwargs(model, mb)).last_hidden_state  # (rows, T, H)
+    outputs = model.base_model(**backbone_kwargs(model, mb), **(moe_aux.ROUTER_KWARGS if want_aux else {}))
+    aux = moe_aux.router_aux_loss(model, outputs, mb.attention_mask) if want_aux else None
+    hidden = outputs.last_hidden_state  # (rows, T, H)
     mask = mb.response_mask
     flat = mb.out_index[mask]  # output positions of the real response tokens, in (rows, T - 1)
     row, col = flat // (hidden.shape[1] - 1), flat % (hidden.shape[1] - 1)
@@ -213,4 +220,5 @@ def response_outputs(model, mb, temperature: float, head: str, chunk_tokens: int
     else:
         logp, entropy = chunked_logprobs(picked, weight, labels, temperature, chunk_tokens, want_entropy)
     zeros = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device)
-    return zeros.masked_scatter(mask, logp), (zeros.masked_scatter(mask, entropy) if entropy is not None else None)
+    return (zeros.masked_scatter(mask, logp), zeros.masked_scatter(mask, entropy) if entropy is not None else None,
+            aux)

@@ -73,6 +73,9 @@ ERRORS = prometheus_client.Counter("rlmesh_learner_errors_total", "Calls that fa
 
 _KL_ESTIMATORS = {learner_pb2.KL_ESTIMATOR_UNSPECIFIED: "k3", learner_pb2.KL_ESTIMATOR_K1: "k1",
                   learner_pb2.KL_ESTIMATOR_K2: "k2", learner_pb2.KL_ESTIMATOR_K3: "k3"}
+_IS_CORRECTION_TYPES = {learner_pb2.IS_CORRECTION_TYPE_UNSPECIFIED: "tis", learner_pb2.IS_CORRECTION_TYPE_TIS: "tis",
+                        learner_pb2.IS_CORRECTION_TYPE_ICEPOP: "icepop",
+                        learner_pb2.IS_CORRECTION_TYPE_SEQ_MASK_TIS: "seq-mask-tis"}
 _LEVELS = {learner_pb2.LOSS_AGGREGATION_UNSPECIFIED: "token", learner_pb2.LOSS_AGGREGATION_TOKEN_MEAN: "token",
            learner_pb2.LOSS_AGGREGATION_SEQUENCE_MEAN: "sequence",
            learner_pb2.LOSS_AGGREGATION_SEQUENCE_SUM: "sequence_sum"}
@@ -191,7 +194,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                                    self.rank0.max_len)
         cfg = self.config
         if request.packed and cfg.use_dynamic_batch:
-            layout = token_forward_micro_batches(samples, cfg.train_max_tokens_per_gpu, self.world)
+            budget = cfg.rollout_max_tokens_per_gpu or cfg.train_max_tokens_per_gpu
+            layout = token_forward_micro_batches(samples, budget, self.world)
         else:
             layout = forward_micro_batches(samples, cfg.micro_forward_batch_size, self.world)
         most = max(len(batches) for batches in layout)
@@ -258,8 +262,16 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         tis_cap = _finite("loss.tis_cap", loss.tis_cap, 0.0)
         if 0 < tis_cap < 1:
             raise invalid_argument("loss.tis_cap", None, f"{tis_cap} must be >= 1", "send e.g. 2, or 0 to disable TIS")
+        tis_low = _finite("loss.tis_low", loss.tis_low, 0.0)
+        if tis_low > 1:
+            raise invalid_argument("loss.tis_low", None, f"{tis_low} must be <= 1 (a band [tis_low, tis_cap] "
+                                   "around 1)", "send e.g. 0.5, or 0 for a cap from above only")
+        if loss.is_correction_type not in _IS_CORRECTION_TYPES:
+            raise invalid_argument("loss.is_correction_type", None, f"unknown value {loss.is_correction_type}",
+                                   "use TIS, ICEPOP or SEQ_MASK_TIS")
         return {
-            "tis_cap": tis_cap,
+            "tis_cap": tis_cap, "tis_low": tis_low, "is_correction_type": _IS_CORRECTION_TYPES[loss.is_correction_type],
+            "aux_loss_coef": _finite("loss.aux_loss_coef", loss.aux_loss_coef, 0.0),
             "eps_low": eps_low, "eps_high": eps_high, "dual_clip": dual_clip,
             "ratio_type": "sequence" if loss.policy_loss_type == learner_pb2.POLICY_LOSS_TYPE_GSPO else "token",
             "kl_coef": _finite("loss.kl_coef", loss.kl_coef, 0.0), "kl_estimator": _KL_ESTIMATORS[loss.kl_estimator],
@@ -317,6 +329,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                 ppo_kl=totals.get("ppo_kl", 0.0) / tokens, grad_norm=c["grad_norm"], learning_rate=c["lr"],
                 optimizer_steps=c["kept"], skipped_steps=c["steps"] - c["kept"], tokens=int(c["tokens"]),
                 tis_weight_mean=totals.get("tis_weight", 0.0) / tokens,
+                rollout_kl=totals.get("rollout_kl", 0.0) / tokens, aux_loss=totals.get("aux_loss", 0.0) / kept,
                 actor_global_step=c["global_step"], duration_s=timer.elapsed)
             POLICY_LOSS.set(response.policy_loss)
             KL.set(response.kl_loss)

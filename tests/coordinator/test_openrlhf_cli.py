@@ -5,7 +5,8 @@ train_rm or train_dpo is written out below (its options unchanged; train_nonrl_s
 train_dpo_llama.sh's command under torchrun). Each goes through rlmesh's parsing and validation
 with the module swapped and the hub names replaced by the tiny local model and data: every option
 is honoured, or refused by name with what to use instead, and the refused ones are exactly those
-listed per script. The DAPO script (hybrid engine, group_norm) also runs one real step on CPU.
+listed per script. The DAPO and ProRL v2 scripts (hybrid engine, importance-sampling correction, the
+stop-properly penalty) also run one real step on CPU.
 """
 
 from __future__ import annotations
@@ -172,22 +173,15 @@ DPO_LLAMA = """
 --model.gradient_checkpointing_enable
 """
 
-ICEPOP = {"algo.advantage.is_correction_type", "algo.advantage.is_correction_enable"}
 RING = {"ds.ring_attn_size", "ds.ring_attn_head_stride"}
 # script -> (command, config class, the options rlmesh refuses in it)
 SCRIPTS = {
-    "train_ppo_ray_hybrid_engine": (PPO_HYBRID_ENGINE, CoordinatorConfig,
-                                    {"algo.advantage.is_correction_enable"}),
-    "train_reinforce_baseline_hybrid_engine": (
-        REINFORCE_BASELINE_HYBRID_ENGINE, CoordinatorConfig,
-        RING | ICEPOP | {"rollout.max_tokens_per_gpu"}),
-    "train_dapo_ray_hybrid_engine": (DAPO_HYBRID_ENGINE, CoordinatorConfig, {"algo.advantage.is_correction_enable"}),
-    "train_prorlv2_math_hybrid_engine": (
-        PRORLV2_MATH_HYBRID_ENGINE, CoordinatorConfig,
-        ICEPOP | {"reward.stop_properly_penalty_coef"}),
-    "train_reinforce_baseline_ray_agent_async": (
-        REINFORCE_BASELINE_RAY_AGENT_ASYNC, CoordinatorConfig,
-        RING | ICEPOP | {"rollout.max_tokens_per_gpu"}),
+    "train_ppo_ray_hybrid_engine": (PPO_HYBRID_ENGINE, CoordinatorConfig, set()),
+    # Ring attention needs ring_flash_attn and flash_attn on CUDA GPUs: refused by name with what to use instead.
+    "train_reinforce_baseline_hybrid_engine": (REINFORCE_BASELINE_HYBRID_ENGINE, CoordinatorConfig, RING),
+    "train_dapo_ray_hybrid_engine": (DAPO_HYBRID_ENGINE, CoordinatorConfig, set()),
+    "train_prorlv2_math_hybrid_engine": (PRORLV2_MATH_HYBRID_ENGINE, CoordinatorConfig, set()),
+    "train_reinforce_baseline_ray_agent_async": (REINFORCE_BASELINE_RAY_AGENT_ASYNC, CoordinatorConfig, RING),
     "train_ppo_with_reward_fn": (PPO_WITH_REWARD_FN, CoordinatorConfig, set()),
     "train_ppo_ray_slurm": (PPO_RAY_SLURM, CoordinatorConfig, set()),
     "train_vlm_math_hybrid_engine": (VLM_MATH_HYBRID_ENGINE, CoordinatorConfig,
@@ -344,7 +338,8 @@ def test_values_translate_with_openrlhf_meaning(local):
         cfg = build(CoordinatorConfig, [*base, "--data.max_len", "1024"])
     assert (cfg.prompt_max_len, cfg.generate_max_len) == (512, 512)
     refusals = {("--ds.param_dtype", "fp16"): "fp16 is not supported",
-                ("--algo.advantage.is_correction_type", "icepop", "--algo.advantage.is_correction_enable"): "tis",
+                ("--algo.advantage.is_correction_threshold", "2", "5", "--algo.advantage.is_correction_enable"):
+                    "LOW in [0, 1] and HIGH >= 1",
                 ("--ds.zpg", "2"): "zero_hpz_partition_size", ("--ds.load_in_4bit",): "QLoRA",
 ("--actor.muon.lr", "0.02"): "Muon",
                 ("--critic.max_norm", "0.5"): "--actor.max_norm", ("--vllm.sync_with_ray",): "--vllm.sync_backend",
@@ -381,23 +376,32 @@ def test_parse_config_and_yaml_take_namespaced_options(local, tmp_path, capsys):
     assert "--ds.zero_stage" in build_parser(CoordinatorConfig).format_help().replace("\n", " ")
 
 
-def test_the_dapo_script_trains_one_step_on_cpu(local, tmp_path):
-    """OpenRLHF's DAPO hybrid-engine script (GRPO: group_norm, dynamic filtering, clip-higher, KL loss),
-    module swapped, at tiny sizes, one real step: learner, vLLM engine and reward function on CPU."""
-    args = localise(DAPO_HYBRID_ENGINE, local)
+@pytest.mark.parametrize("script", ["train_dapo_ray_hybrid_engine", "train_prorlv2_math_hybrid_engine"])
+def test_the_rl_script_trains_one_step_on_cpu(local, tmp_path, script):
+    """OpenRLHF's DAPO hybrid-engine script (GRPO: group_norm, dynamic filtering, clip-higher, KL loss, the
+    importance-sampling correction with its default band) and ProRL v2's (reinforce_baseline, ICEPOP, the
+    stop-properly penalty), module swapped, at tiny sizes, one real step: learner, vLLM engine and reward
+    function on CPU."""
+    args = localise(SCRIPTS[script][0], local)
     sizes = {"--actor.num_gpus_per_node": "1", "--ref.num_gpus_per_node": "1", "--vllm.num_engines": "1",
              "--vllm.tensor_parallel_size": "1", "--train.micro_batch_size": "4", "--train.batch_size": "8",
              "--rollout.micro_batch_size": "8", "--rollout.batch_size": "2", "--rollout.n_samples_per_prompt": "4",
-             "--data.max_len": "80"}
+             "--data.max_len": "80", "--rollout.max_new_tokens": "16"}
     args = [sizes.get(prev, arg) for prev, arg in zip([""] + args, args)]
-    # rlmesh's truncated IS is OpenRLHF's with a threshold of 0 below (the refusal says so).
-    args = drop(args, "ckpt.path") + [
-        "--algo.advantage.is_correction_threshold", "0", "5.0", "--rollout.max_new_tokens", "16", "--max_steps", "1",
-        "--run_dir", str(tmp_path / "run"), "--ckpt.path", str(tmp_path / "ckpt"), "--no-plots"]
+    # Without evaluation (ProRL's evaluates its own data set every 5 steps).
+    args = drop(drop(drop(args, "ckpt.path"), "eval.dataset"), "eval.steps") + [
+        "--max_steps", "1", "--run_dir", str(tmp_path / "run"), "--ckpt.path", str(tmp_path / "ckpt"), "--no-plots"]
+    if "--rollout.max_new_tokens" not in args:
+        args += ["--rollout.max_new_tokens", "16"]
     log = tmp_path / "coordinator.log"
     proc = start_coordinator("services.coordinator.train_ppo_ray", args, log)
     output = finish(proc, log, timeout_s=480)
     assert proc.returncode == 0, output[-6000:]
     [metrics] = read_metrics(tmp_path / "run")
     assert metrics["global_step"] == 1 and metrics["samples/trained"] == 8 and metrics["actor/optimizer_steps"] == 1
-    assert "kl/mean" in metrics  # --algo.kl.use_loss with --algo.kl.init_coef 1e-3: a reference model ran
+    assert "kl/mean" in metrics  # --algo.kl.use_loss with --algo.kl.init_coef > 0: a reference model ran
+    # The correction ran against the engine's log-probs: weights in the band (tis) or 0 outside it (icepop).
+    assert 0 < metrics["actor/tis_weight_mean"] <= 5.0 and abs(metrics["actor/rollout_kl"]) < 1.0, metrics
+    if script == "train_prorlv2_math_hybrid_engine":
+        # A random tiny model rarely stops within 16 tokens: the cut responses' rewards were set to 0.
+        assert metrics["reward/stop_properly_penalised"] > 0.5, metrics

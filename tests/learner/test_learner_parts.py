@@ -161,7 +161,7 @@ def test_hidden_state_logprob_heads_match_the_plain_path_with_gradients(tiny_mod
         plain = token_logprobs(response_logits, mb.input_ids[:, 1:].reshape(-1)[mb.out_index], 0.8)
         plain_entropy = entropy_from_logits(response_logits, 0.8)
         grads_plain = torch.autograd.grad((plain * weights * mb.response_mask).sum(), params)
-        got, entropy = response_outputs(model, mb, 0.8, head, chunk_tokens=5, want_entropy=head == "chunked")
+        got, entropy, _ = response_outputs(model, mb, 0.8, head, chunk_tokens=5, want_entropy=head == "chunked")
         grads = torch.autograd.grad((got * weights * mb.response_mask).sum(), params)
         mask = mb.response_mask
         torch.testing.assert_close(got[mask], plain[mask], atol=2e-5, rtol=0)

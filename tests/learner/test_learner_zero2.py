@@ -6,6 +6,7 @@ of the module's time). The tests pass alone and in any order: each trains, pushe
 asserts on, and compares against the learner's weights, steps and counters as they are when it starts.
 """
 
+import math
 import time
 import urllib.request
 
@@ -387,3 +388,30 @@ def test_export_of_the_critic(learner, tmp_path):
     r = learner.stub.ExportHF(pb.ExportHFRequest(output_dir=str(tmp_path / "critic"), critic=True), timeout=300)
     critic = AutoModelForTokenClassification.from_pretrained(r.path, dtype=torch.float32)
     assert critic.config.num_labels == 1 and critic.score.weight.shape[0] == 1
+
+
+@pytest.mark.parametrize("kind", ["tis", "icepop"])
+def test_importance_sampling_correction_weights_each_token_in_its_band(learner, plain_model, kind):
+    """OpenRLHF's correction against the engine's log-probs, band [0.5, 5]: on-policy for the learner (ratio 1),
+    the engine's ratio w = exp(old - rollout) is 0.25, 1, 3 and 8 on every token of the four samples.
+    tis clamps w into the band (0.5, 1, 3, 5); icepop keeps it inside and zeroes it outside (0, 1, 3, 0).
+    The policy loss is then -sum(w * A * tokens) / tokens over both ranks' micro-batches."""
+    stub = learner.stub
+    seqs, starts = random_sequences(TRAIN_BATCH, plain_model.config.vocab_size, seed=9)
+    lengths = response_lengths(seqs, starts)
+    old = logprobs(stub, seqs, starts)
+    ratios, adv_values = [0.25, 1.0, 3.0, 8.0], [1.0, -1.0, 0.5, 2.0]
+    weights = {"tis": [0.5, 1.0, 3.0, 5.0], "icepop": [0.0, 1.0, 3.0, 0.0]}[kind]
+    rollout = [o - torch.log(torch.tensor(w)) for o, w in zip(old, ratios)]
+    advantages = [torch.full((n,), a) for n, a in zip(lengths, adv_values)]
+    loss = pb.ActorLoss(eps_clip_low=0.2, tis_low=0.5, tis_cap=5.0, is_correction_type={
+        "tis": pb.IS_CORRECTION_TYPE_TIS, "icepop": pb.IS_CORRECTION_TYPE_ICEPOP}[kind])
+    r = stub.TrainActor(pb.TrainActorRequest(batch=experience(seqs, starts, old_logprobs=old, advantages=advantages,
+                                                              rollout_logprobs=rollout), loss=loss), timeout=300)
+    assert (r.optimizer_steps, r.skipped_steps) == (1, 0)
+    tokens = sum(lengths)
+    assert r.policy_loss == pytest.approx(-sum(w * a * n for w, a, n in zip(weights, adv_values, lengths)) / tokens,
+                                          abs=1e-4)
+    assert r.tis_weight_mean == pytest.approx(sum(w * n for w, n in zip(weights, lengths)) / tokens, abs=1e-5)
+    # rollout - old = -log w per token.
+    assert r.rollout_kl == pytest.approx(-sum(math.log(w) * n for w, n in zip(ratios, lengths)) / tokens, abs=1e-5)

@@ -141,6 +141,8 @@ def learner_argv(cfg: CoordinatorConfig, total_steps: int, num_ranks: int) -> li
             argv.append(f"--{flag}")
     if cfg.use_dynamic_batch:
         argv += ["--train_max_tokens_per_gpu", str(cfg.train_max_tokens_per_gpu)]
+        if cfg.rollout_max_tokens_per_gpu:
+            argv += ["--rollout_max_tokens_per_gpu", str(cfg.rollout_max_tokens_per_gpu)]
     if cfg.flash_attn:
         argv += ["--attn_implementation", "flash_attention_2"]  # PyTorch's varlen kernel without flash-attn
     elif cfg.packing_samples and cfg.on_gpu:

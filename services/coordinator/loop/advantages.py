@@ -1,9 +1,10 @@
 """From scored samples to advantages: the coordinator's maths, built on services.common.rl_math.
 
 Order of operations (the same as OpenRLHF's experience maker, so the same flags give the same
-numbers): overlong penalty on the scalar reward -> group baseline for the group estimators ->
-per-token rewards with the KL penalty (unless KL is a loss) and the reward clip -> GAE with the
-critic's values, or discounted returns -> global whitening for gae / reinforce / reinforce_baseline.
+numbers): overlong penalty, then the stop-properly penalty, on the scalar reward -> group baseline
+for the group estimators -> per-token rewards with the KL penalty (unless KL is a loss) and the
+reward clip -> GAE with the critic's values, or discounted returns -> global whitening for gae /
+reinforce / reinforce_baseline.
 """
 
 from __future__ import annotations
@@ -27,6 +28,20 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, facto
     expected = max_len - buffer_len
     excess = (lengths.float() - expected).clamp(min=0)
     return -excess / buffer_len * factor
+
+
+def stop_properly_penalty(rewards: torch.Tensor, truncated: torch.Tensor, coef: float | None) -> torch.Tensor:
+    """ProRL's stop-properly penalty on responses cut at the generation limit (finish reason length).
+
+    rewards: (B,) scalar rewards (the overlong penalty already added); truncated: (B,) bool.
+    coef in [0, 1]: a truncated response's reward is multiplied by coef; coef < 0: it is replaced by
+    coef; None: no penalty. Responses that stopped are unchanged. Returns (B,) float32.
+    """
+    rewards = rewards.float()
+    if coef is None:
+        return rewards
+    penalised = torch.full_like(rewards, coef) if coef < 0 else rewards * coef
+    return torch.where(truncated.bool(), penalised, rewards)
 
 
 def keep_group(rewards: torch.Tensor, low: float, high: float) -> torch.Tensor:

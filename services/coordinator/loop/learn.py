@@ -10,11 +10,20 @@ import torch
 from rlmesh.learner.v1 import learner_pb2
 from services.common.tasks import gather_or_cancel
 from services.common.tensors import ragged_to_proto, to_proto
-from services.coordinator.loop.advantages import compute_advantages, length_mask, overlong_penalty, pad_right
+from rlmesh.rollout.v1 import rollout_pb2
+from services.coordinator.loop.advantages import (
+    compute_advantages,
+    length_mask,
+    overlong_penalty,
+    pad_right,
+    stop_properly_penalty,
+)
 from services.coordinator.loop.experience import Sample
 
 KL_ESTIMATORS = {"k1": learner_pb2.KL_ESTIMATOR_K1, "k2": learner_pb2.KL_ESTIMATOR_K2,
                  "k3": learner_pb2.KL_ESTIMATOR_K3}
+IS_CORRECTION_TYPES = {"tis": learner_pb2.IS_CORRECTION_TYPE_TIS, "icepop": learner_pb2.IS_CORRECTION_TYPE_ICEPOP,
+                       "seq-mask-tis": learner_pb2.IS_CORRECTION_TYPE_SEQ_MASK_TIS}
 LOSS_LEVELS = {"token": learner_pb2.LOSS_AGGREGATION_TOKEN_MEAN, "sequence": learner_pb2.LOSS_AGGREGATION_SEQUENCE_MEAN,
                "sequence_sum": learner_pb2.LOSS_AGGREGATION_SEQUENCE_SUM}
 
@@ -37,8 +46,10 @@ def training_batch(cfg, samples: list[Sample], kl_coef: float, use_ref: bool, us
     logp = pad_right([s.old_logprobs for s in samples])
     ref = pad_right([s.ref_logprobs for s in samples]) if use_ref else None
     values = pad_right([s.values for s in samples]) if use_critic else None
+    truncated = torch.tensor([s.finish_reason == rollout_pb2.FINISH_REASON_LENGTH for s in samples])
+    shaped = stop_properly_penalty(rewards + penalty, truncated, cfg.stop_properly_penalty_coef)
     result = compute_advantages(
-        rewards + penalty, mask, cfg.advantage_estimator, cfg.n_samples_per_prompt, logp=logp, ref_logp=ref,
+        shaped, mask, cfg.advantage_estimator, cfg.n_samples_per_prompt, logp=logp, ref_logp=ref,
         values=values, kl_coef=kl_coef, kl_estimator=cfg.kl_estimator, use_kl_loss=cfg.use_kl_loss,
         gamma=cfg.gamma, lambd=cfg.lambd, reward_clip=tuple(cfg.reward_clip_range),
         std_norm=not cfg.no_advantage_std_norm)
@@ -46,7 +57,7 @@ def training_batch(cfg, samples: list[Sample], kl_coef: float, use_ref: bool, us
     count = len(samples) // cfg.train_batch_size * cfg.train_batch_size
     return {"samples": samples[:count], "count": count, "lengths": lengths[:count], "mask": mask,
             "advantages": result.advantages, "returns": result.returns, "kl": result.kl, "penalty": penalty,
-            "all_samples": samples}
+            "truncated": truncated, "all_samples": samples}
 
 
 def experience(cfg, batch: dict, actor: bool, with_ref: bool) -> learner_pb2.ExperienceBatch:
@@ -73,19 +84,27 @@ def experience(cfg, batch: dict, actor: bool, with_ref: bool) -> learner_pb2.Exp
     return exp
 
 
-async def train(learner, cfg, step: int, batch: dict, kl_coef: float, use_ref: bool, use_critic: bool) -> dict:
-    """TrainActor (and TrainCritic) on the step's batch; returns their metrics."""
+def actor_loss(cfg, kl_coef: float, kl_in_loss: bool) -> learner_pb2.ActorLoss:
+    """The actor's loss as the flags define it (kl_coef: the step's, possibly adapted)."""
     low_high = cfg.eps_clip_low_high or [cfg.eps_clip, cfg.eps_clip]
     level, policy_level = cfg.loss_levels()
-    kl_in_loss = cfg.use_kl_loss and use_ref
-    loss = learner_pb2.ActorLoss(
+    return learner_pb2.ActorLoss(
         policy_loss_type=learner_pb2.POLICY_LOSS_TYPE_GSPO if cfg.policy_loss_type == "gspo"
         else learner_pb2.POLICY_LOSS_TYPE_PPO,
         eps_clip_low=low_high[0], eps_clip_high=low_high[1], dual_clip=cfg.dual_clip,
         kl_coef=kl_coef if kl_in_loss else 0.0,
         kl_estimator=KL_ESTIMATORS[cfg.kl_estimator], entropy_coef=cfg.entropy_loss_coef,
         loss_aggregation=LOSS_LEVELS[level], policy_loss_aggregation=LOSS_LEVELS[policy_level],
-        temperature=cfg.temperature, tis_cap=cfg.tis_cap if cfg.use_tis else 0.0)
+        temperature=cfg.temperature, tis_cap=cfg.tis_cap if cfg.use_tis else 0.0,
+        tis_low=cfg.tis_low if cfg.use_tis else 0.0, is_correction_type=IS_CORRECTION_TYPES[cfg.tis_type],
+        aux_loss_coef=cfg.aux_loss_coef)
+
+
+async def train(learner, cfg, step: int, batch: dict, kl_coef: float, use_ref: bool, use_critic: bool) -> dict:
+    """TrainActor (and TrainCritic) on the step's batch; returns their metrics."""
+    level, _ = cfg.loss_levels()
+    kl_in_loss = cfg.use_kl_loss and use_ref
+    loss = actor_loss(cfg, kl_coef, kl_in_loss)
     seed = step_seed(cfg.seed, step, "shuffle")
     calls = [learner.TrainActor(learner_pb2.TrainActorRequest(
         batch=experience(cfg, batch, actor=True, with_ref=kl_in_loss and kl_coef > 0), loss=loss,
@@ -102,7 +121,11 @@ async def train(learner, cfg, step: int, batch: dict, kl_coef: float, use_ref: b
            "actor/lr": actor.learning_rate, "actor/optimizer_steps": actor.optimizer_steps,
            "actor/skipped_steps": actor.skipped_steps, "actor/tokens": actor.tokens}
     if cfg.use_tis:
-        out["actor/tis_weight_mean"] = actor.tis_weight_mean
+        out["actor/rollout_kl"] = actor.rollout_kl
+        if cfg.policy_loss_type != "gspo":  # GSPO corrects its sequence ratio instead of weighting tokens
+            out["actor/tis_weight_mean"] = actor.tis_weight_mean
+    if cfg.aux_loss_coef > 0:
+        out["actor/aux_loss"] = actor.aux_loss
     if use_critic:
         critic = replies[1]
         out.update({"critic/value_loss": critic.value_loss, "critic/values_mean": critic.values_mean,

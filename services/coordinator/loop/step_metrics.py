@@ -44,6 +44,8 @@ def step_metrics(cfg, state, step: int, collector, batch: dict, gen: dict, times
         m["advantages/mean"], m["advantages/abs_mean"] = adv.mean().item(), adv.abs().mean().item()
         if cfg.overlong_buffer_len:
             m["reward/overlong_penalty"] = batch["penalty"].mean().item()
+        if cfg.stop_properly_penalty_coef is not None:  # the share of the batch's rewards it changed
+            m["reward/stop_properly_penalised"] = batch["truncated"].float().mean().item()
     if cfg.dynamic_filtering:
         m.update({"filter/kept_groups": len(collector.kept), "filter/dropped_groups": len(collector.dropped),
                   "filter/rounds": gen["filter_rounds"]})

@@ -15,6 +15,13 @@ class PolicyLossType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     POLICY_LOSS_TYPE_PPO: _ClassVar[PolicyLossType]
     POLICY_LOSS_TYPE_GSPO: _ClassVar[PolicyLossType]
 
+class ISCorrectionType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    IS_CORRECTION_TYPE_UNSPECIFIED: _ClassVar[ISCorrectionType]
+    IS_CORRECTION_TYPE_TIS: _ClassVar[ISCorrectionType]
+    IS_CORRECTION_TYPE_ICEPOP: _ClassVar[ISCorrectionType]
+    IS_CORRECTION_TYPE_SEQ_MASK_TIS: _ClassVar[ISCorrectionType]
+
 class KLEstimator(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     KL_ESTIMATOR_UNSPECIFIED: _ClassVar[KLEstimator]
@@ -31,6 +38,10 @@ class LossAggregation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 POLICY_LOSS_TYPE_UNSPECIFIED: PolicyLossType
 POLICY_LOSS_TYPE_PPO: PolicyLossType
 POLICY_LOSS_TYPE_GSPO: PolicyLossType
+IS_CORRECTION_TYPE_UNSPECIFIED: ISCorrectionType
+IS_CORRECTION_TYPE_TIS: ISCorrectionType
+IS_CORRECTION_TYPE_ICEPOP: ISCorrectionType
+IS_CORRECTION_TYPE_SEQ_MASK_TIS: ISCorrectionType
 KL_ESTIMATOR_UNSPECIFIED: KLEstimator
 KL_ESTIMATOR_K1: KLEstimator
 KL_ESTIMATOR_K2: KLEstimator
@@ -145,7 +156,7 @@ class ExperienceBatch(_message.Message):
     def __init__(self, input_ids: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., response_start: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., action_mask: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., old_logprobs: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., advantages: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., ref_logprobs: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., returns: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., old_values: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ..., rollout_logprobs: _Optional[_Union[_common_pb2.RaggedTensor, _Mapping]] = ...) -> None: ...
 
 class ActorLoss(_message.Message):
-    __slots__ = ("policy_loss_type", "eps_clip_low", "eps_clip_high", "dual_clip", "kl_coef", "kl_estimator", "entropy_coef", "loss_aggregation", "temperature", "policy_loss_aggregation", "tis_cap")
+    __slots__ = ("policy_loss_type", "eps_clip_low", "eps_clip_high", "dual_clip", "kl_coef", "kl_estimator", "entropy_coef", "loss_aggregation", "temperature", "policy_loss_aggregation", "tis_cap", "tis_low", "is_correction_type", "aux_loss_coef")
     POLICY_LOSS_TYPE_FIELD_NUMBER: _ClassVar[int]
     EPS_CLIP_LOW_FIELD_NUMBER: _ClassVar[int]
     EPS_CLIP_HIGH_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +168,9 @@ class ActorLoss(_message.Message):
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     POLICY_LOSS_AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     TIS_CAP_FIELD_NUMBER: _ClassVar[int]
+    TIS_LOW_FIELD_NUMBER: _ClassVar[int]
+    IS_CORRECTION_TYPE_FIELD_NUMBER: _ClassVar[int]
+    AUX_LOSS_COEF_FIELD_NUMBER: _ClassVar[int]
     policy_loss_type: PolicyLossType
     eps_clip_low: float
     eps_clip_high: float
@@ -168,7 +182,10 @@ class ActorLoss(_message.Message):
     temperature: float
     policy_loss_aggregation: LossAggregation
     tis_cap: float
-    def __init__(self, policy_loss_type: _Optional[_Union[PolicyLossType, str]] = ..., eps_clip_low: _Optional[float] = ..., eps_clip_high: _Optional[float] = ..., dual_clip: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[_Union[KLEstimator, str]] = ..., entropy_coef: _Optional[float] = ..., loss_aggregation: _Optional[_Union[LossAggregation, str]] = ..., temperature: _Optional[float] = ..., policy_loss_aggregation: _Optional[_Union[LossAggregation, str]] = ..., tis_cap: _Optional[float] = ...) -> None: ...
+    tis_low: float
+    is_correction_type: ISCorrectionType
+    aux_loss_coef: float
+    def __init__(self, policy_loss_type: _Optional[_Union[PolicyLossType, str]] = ..., eps_clip_low: _Optional[float] = ..., eps_clip_high: _Optional[float] = ..., dual_clip: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[_Union[KLEstimator, str]] = ..., entropy_coef: _Optional[float] = ..., loss_aggregation: _Optional[_Union[LossAggregation, str]] = ..., temperature: _Optional[float] = ..., policy_loss_aggregation: _Optional[_Union[LossAggregation, str]] = ..., tis_cap: _Optional[float] = ..., tis_low: _Optional[float] = ..., is_correction_type: _Optional[_Union[ISCorrectionType, str]] = ..., aux_loss_coef: _Optional[float] = ...) -> None: ...
 
 class TrainActorRequest(_message.Message):
     __slots__ = ("batch", "loss", "max_epochs", "shuffle_seed", "request_id")
@@ -185,7 +202,7 @@ class TrainActorRequest(_message.Message):
     def __init__(self, batch: _Optional[_Union[ExperienceBatch, _Mapping]] = ..., loss: _Optional[_Union[ActorLoss, _Mapping]] = ..., max_epochs: _Optional[int] = ..., shuffle_seed: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class TrainActorResponse(_message.Message):
-    __slots__ = ("policy_loss", "kl_loss", "entropy", "clip_ratio", "ppo_kl", "grad_norm", "learning_rate", "optimizer_steps", "skipped_steps", "tokens", "actor_global_step", "duration_s", "tis_weight_mean")
+    __slots__ = ("policy_loss", "kl_loss", "entropy", "clip_ratio", "ppo_kl", "grad_norm", "learning_rate", "optimizer_steps", "skipped_steps", "tokens", "actor_global_step", "duration_s", "tis_weight_mean", "rollout_kl", "aux_loss")
     POLICY_LOSS_FIELD_NUMBER: _ClassVar[int]
     KL_LOSS_FIELD_NUMBER: _ClassVar[int]
     ENTROPY_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +216,8 @@ class TrainActorResponse(_message.Message):
     ACTOR_GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
     TIS_WEIGHT_MEAN_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_KL_FIELD_NUMBER: _ClassVar[int]
+    AUX_LOSS_FIELD_NUMBER: _ClassVar[int]
     policy_loss: float
     kl_loss: float
     entropy: float
@@ -212,7 +231,9 @@ class TrainActorResponse(_message.Message):
     actor_global_step: int
     duration_s: float
     tis_weight_mean: float
-    def __init__(self, policy_loss: _Optional[float] = ..., kl_loss: _Optional[float] = ..., entropy: _Optional[float] = ..., clip_ratio: _Optional[float] = ..., ppo_kl: _Optional[float] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., optimizer_steps: _Optional[int] = ..., skipped_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., actor_global_step: _Optional[int] = ..., duration_s: _Optional[float] = ..., tis_weight_mean: _Optional[float] = ...) -> None: ...
+    rollout_kl: float
+    aux_loss: float
+    def __init__(self, policy_loss: _Optional[float] = ..., kl_loss: _Optional[float] = ..., entropy: _Optional[float] = ..., clip_ratio: _Optional[float] = ..., ppo_kl: _Optional[float] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., optimizer_steps: _Optional[int] = ..., skipped_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., actor_global_step: _Optional[int] = ..., duration_s: _Optional[float] = ..., tis_weight_mean: _Optional[float] = ..., rollout_kl: _Optional[float] = ..., aux_loss: _Optional[float] = ...) -> None: ...
 
 class TrainCriticRequest(_message.Message):
     __slots__ = ("batch", "value_clip", "loss_aggregation", "max_epochs", "shuffle_seed", "request_id")
