@@ -113,6 +113,7 @@ def run_sft(config: QuickstartConfig, model_dir: pathlib.Path, data: dict, out_d
     """SFT in its own process (DeepSpeed owns its process group); returns its last metrics."""
     argv = [sys.executable, "-m", "services.learner.train_sft", "--pretrain", str(model_dir),
             "--dataset", str(data["sft"]), "--input_key", "prompt", "--output_key", "response",
+            "--input_template", "",  # the raw prompt, as GRPO samples from it
             "--max_epochs", str(config.sft_epochs), "--train_batch_size", "32", "--micro_train_batch_size", "32",
             "--learning_rate", str(config.sft_learning_rate), "--lr_scheduler", "constant_with_warmup",
             "--lr_warmup_ratio", "0", "--zero_stage", str(config.zero_stage), "--seed", str(config.seed),

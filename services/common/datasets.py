@@ -600,6 +600,23 @@ def _tokenize_segments(tokenizer, segments, apply_chat_template: bool, max_len: 
     return tuple(ids), tuple(mask)
 
 
+def openrlhf_sft_pair(tokenizer, prompt: str, response: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A plain-text SFT pair (no chat template) as OpenRLHF 0.11's SFT dataset builds it: the text
+    prompt + response, trailing newlines stripped, then " " + eos unless it already ends with eos,
+    tokenized as one piece without special tokens; the loss covers every token after the first
+    len(tokenize(prompt)) (the response and the eos). prompt: already formatted by the input template.
+    Returns (ids, loss mask)."""
+    text = (prompt + response).rstrip("\n")
+    eos = tokenizer.eos_token
+    if eos and not text.endswith(eos):
+        text += " " + eos
+    ids = _encode(tokenizer, text, add_special_tokens=False)
+    prompt_len = len(_encode(tokenizer, prompt, add_special_tokens=False))
+    if prompt_len >= len(ids):
+        raise BadRow("empty response", "the response adds no tokens after the prompt")
+    return tuple(ids), tuple(int(i >= prompt_len) for i in range(len(ids)))
+
+
 def load_sft(paths, probs=None, tokenizer=None, input_key: str = "input", output_key: str = "output",
              multiturn: bool = False, apply_chat_template: bool = False, input_template: str | None = None,
              max_len: int | None = 2048, max_samples: int | None = None, seed: int = 42, strict: bool = False,
@@ -609,6 +626,9 @@ def load_sft(paths, probs=None, tokenizer=None, input_key: str = "input", output
     Pair rows: input_key holds the prompt (string or message list), output_key the response
     (string, or a message list of the assistant's reply). multiturn=True: input_key holds a whole
     conversation (message list) and the loss covers every assistant turn; output_key is unused.
+    Plain-text pairs without the chat template are OpenRLHF's text (openrlhf_sft_pair), so the same
+    row trains the same tokens; with the chat template the prompt's ids are those the rollout
+    engine gets for the rendered prompt alone.
     Rows longer than max_len tokens are bad rows (skipped, or an error with strict).
     """
     check_input_template(input_template)
@@ -620,6 +640,11 @@ def load_sft(paths, probs=None, tokenizer=None, input_key: str = "input", output
         if multiturn:
             segments = conversation_segments(tokenizer, _messages(_field(row, input_key), input_key))
             chat = True
+        elif not apply_chat_template and not isinstance(row.get(output_key), list):
+            prompt = render_prompt(_field(row, input_key), input_key, tokenizer, False, input_template)
+            ids, mask = openrlhf_sft_pair(tokenizer, prompt, _text(_field(row, output_key), output_key))
+            _check_length(len(ids), max_len, "example")
+            return SFTExample(input_ids=ids, loss_mask=mask, datasource=datasource, index=index)
         else:
             segments = _prompt_response_segments(_field(row, input_key), _field(row, output_key), input_key,
                                                  output_key, tokenizer, apply_chat_template, input_template)

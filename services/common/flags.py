@@ -34,6 +34,13 @@ class SharedFlag:
         return opt(default, self.help, check=self.check, choices=list(self.choices) if self.choices else None)
 
 
+def no_gpu_attention(given: str) -> str:
+    """The one warning for FlashAttention asked for on a machine without a CUDA GPU, where the
+    coordinator and the offline trainers alike train with sdpa instead (the learner service too)."""
+    return (f"{given} needs a CUDA GPU and this machine has none: training with sdpa attention instead "
+            "(PyTorch's scaled dot-product attention; the same maths, slower on long sequences)")
+
+
 def positive(example: str) -> Callable[[float], str]:
     return lambda value: "" if value > 0 else f"must be > 0 (e.g. {example})"
 

@@ -767,7 +767,11 @@ class CoordinatorConfig(ServerConfig):
                     f"{self.actor_gpus()} actor GPUs): together {per_gpu * self.vllm_gpu_memory_utilization:g} of "
                     f"its memory; give at most {0.95 / per_gpu:.2f} (or 0 for {0.5 / per_gpu:g})")
             return
-        for name in ("flash_attn", "adam_offload", "use_liger_kernel"):
+        if self.flash_attn:  # the offline trainers' words and choice for the same request
+            warnings.warn(flags.no_gpu_attention("--flash_attn (--ds.attn_implementation flash_attention_2)"),
+                          GpuOnlyFlagWarning, stacklevel=2)
+            self.flash_attn = False
+        for name in ("adam_offload", "use_liger_kernel"):
             if getattr(self, name):
                 warnings.warn(f"--{name} needs a GPU; ignored on CPU", GpuOnlyFlagWarning, stacklevel=2)
                 setattr(self, name, False)

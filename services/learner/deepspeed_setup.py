@@ -30,7 +30,7 @@ import torch
 
 from services.common import flags
 from services.common.config import ConfigError, check_fields, opt
-from services.common.flags import LR_SCHEDULERS
+from services.common.flags import LR_SCHEDULERS, no_gpu_attention
 from services.common.deepspeed_file import apply_flags, check_batches, merge, read_deepspeed_file
 from services.common.lora_check import check_lora
 from services.learner.lora import LoraOptions, apply_lora
@@ -154,14 +154,19 @@ class DeepSpeedOptions:
         if self.deepspeed:
             check_batches(read_deepspeed_file(self.deepspeed), self.train_batch_size, self.micro_train_batch_size,
                           self.gradient_accumulation_steps(world_size) if world_size else None)
-        if self.attn_implementation == "flash_attention_2" and not torch.cuda.is_available():
-            raise ConfigError("--attn_implementation flash_attention_2 needs a CUDA GPU; use sdpa or varlen")
+        self.attention_for_this_machine()
         if self.use_liger_kernel:
             if not torch.cuda.is_available():
                 raise ConfigError("--use_liger_kernel needs a CUDA GPU (the kernels are Triton); drop the flag on CPU")
             if importlib.util.find_spec("liger_kernel") is None:
                 raise ConfigError("--use_liger_kernel: the liger-kernel package is not installed; "
                                   "pip install liger-kernel, or drop the flag")
+
+    def attention_for_this_machine(self) -> None:
+        """flash_attention_2 without a CUDA GPU: a warning, and sdpa (idempotent)."""
+        if self.attn_implementation == "flash_attention_2" and not torch.cuda.is_available():
+            warnings.warn(no_gpu_attention("--attn_implementation flash_attention_2"), stacklevel=3)
+            self.attn_implementation = "sdpa"
 
     def gradient_accumulation_steps(self, world_size: int) -> int:
         return self.train_batch_size // (self.micro_train_batch_size * world_size)

@@ -35,10 +35,12 @@ import torch.nn.functional as F
 
 from services.common.config import ConfigError, opt
 from services.common.log import get_logger, log_event
+from services.common.flags import no_gpu_attention
+from services.common.moe_check import check_aux_loss_coef
 from services.common.logprobs import token_logprobs
 from services.common.paths import resolve_path_fields
 from services.common.rl_math import last_token_values
-from services.learner import offline_checkpoint
+from services.learner import moe_aux, offline_checkpoint
 from services.learner.batches import MicroBatch, Sample, collate
 from services.learner.deepspeed_setup import (
     DeepSpeedOptions,
@@ -105,6 +107,8 @@ class OfflineConfig(DeepSpeedOptions):
     eval_steps: int = opt(-1, "evaluate every N optimizer steps (also before training and at the end); "
                           "-1 = only before and after training")
     logging_steps: int = opt(1, "log training metrics every N optimizer steps")
+    aux_loss_coef: float = opt(0.0, "MoE models: weight of the router's load-balancing loss added to each "
+                               "micro-batch's loss (transformers' aux_loss with output_router_logits); 0 = none")
     flash_attn: bool = opt(False, "FlashAttention 2 (GPU only; on CPU a warning and sdpa)")
     local_rank: int = opt(-1, "set by the deepspeed launcher (LOCAL_RANK is read from the environment)")
     lr_scheduler: str = opt("cosine_with_min_lr", "learning-rate schedule after the linear warm-up",
@@ -142,12 +146,17 @@ class OfflineConfig(DeepSpeedOptions):
         if self.load_checkpoint and not self.ckpt_path:
             raise ConfigError("--load_checkpoint needs --ckpt_path (the folder the interrupted run saved to)")
         self.validate_lora(self.pretrain)
+        check_aux_loss_coef(self.aux_loss_coef, self.pretrain)
+        if "\\n" in self.input_template:
+            warnings.warn(f"--input_template {self.input_template!r} holds a backslash and n, not a newline; in bash "
+                          "write $'...\\n...' for a newline (kept as given)", stacklevel=2)
         if self.flash_attn:
             if torch.cuda.is_available():
                 self.attn_implementation = "flash_attention_2"
             else:
-                warnings.warn("--flash_attn needs a CUDA GPU; training on CPU with sdpa attention instead", stacklevel=2)
+                warnings.warn(no_gpu_attention("--flash_attn"), stacklevel=2)
                 self.flash_attn = False
+        self.attention_for_this_machine()  # --attn_implementation flash_attention_2 (OpenRLHF's spelling) too
 
 
 # ----------------------------------------------------------------------------------------------
@@ -181,7 +190,15 @@ def next_token_logprobs(model, mb: MicroBatch) -> torch.Tensor:
     """(B, T-1) float32 log p(token t+1 | tokens <= t) of the sequences of a `sequences_batch`, in
     the padded layout whether mb is padded or packed; entries past a sequence's end are meaningless
     (mask them with the sequence's loss mask)."""
-    logits = forward_micro_batch(model, mb).logits  # (rows, T, V)
+    return logprobs_and_aux_loss(model, mb, aux=False)[0]
+
+
+def logprobs_and_aux_loss(model, mb: MicroBatch, aux: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """next_token_logprobs, and with aux the MoE router's load-balancing loss of the same forward
+    (services.learner.moe_aux; a scalar with grad), else None."""
+    outputs = forward_micro_batch(model, mb, **(moe_aux.ROUTER_KWARGS if aux else {}))
+    aux_loss = moe_aux.router_aux_loss(model, outputs, mb.attention_mask) if aux else None
+    logits = outputs.logits  # (rows, T, V)
     if mb.seq_lengths is None:
         logprobs = token_logprobs(logits[:, :-1], mb.input_ids[:, 1:])  # (B, T-1), 8 rows at a time
     else:
@@ -190,7 +207,7 @@ def next_token_logprobs(model, mb: MicroBatch) -> torch.Tensor:
         # the whole row at once.
         chunk = 8 * max(mb.seq_lengths)
         logprobs = token_logprobs(logits[0, :-1, None], mb.input_ids[0, 1:, None], chunk_rows=chunk)  # (N-1, 1)
-    return logprobs.reshape(-1)[mb.out_index]
+    return logprobs.reshape(-1)[mb.out_index], aux_loss
 
 
 def last_token_outputs(outputs: torch.Tensor, mb: MicroBatch) -> torch.Tensor:

@@ -27,6 +27,7 @@ from services.learner.offline import (
     Ratios,
     dpo_loss,
     frozen_model,
+    logprobs_and_aux_loss,
     next_token_logprobs,
     pad_right,
     response_logprob_sums,
@@ -90,7 +91,8 @@ class DPOTrainer(OfflineTrainer):
                              c.packing_samples).to(engine.device)
         loss_mask, _ = pad_right([r.chosen_mask for r in rows] + [r.rejected_mask for r in rows], 0)
         loss_mask = loss_mask.to(engine.device)
-        policy, lengths = self.logprob_sums(engine, mb, loss_mask)  # (2B,), (2B,)
+        logprobs, aux = logprobs_and_aux_loss(engine, mb, aux=c.aux_loss_coef > 0)
+        policy, lengths = response_logprob_sums(logprobs, loss_mask)  # (2B,), (2B,)
         with torch.no_grad():
             reference, _ = self.logprob_sums(self.reference, mb, loss_mask)
         if c.ipo:  # IPO's target 1 / (2 beta) is set for per-token mean log-ratios
@@ -102,6 +104,8 @@ class DPOTrainer(OfflineTrainer):
                                                           reference_in[b:], c.beta, c.label_smoothing, c.ipo)
         chosen_nll = -policy[:b].sum() / lengths[:b].sum().clamp(min=1)
         loss = losses.mean() + c.nll_loss_coef * chosen_nll if c.nll_loss_coef else losses.mean()
+        if aux is not None:  # the router loss of the policy's forward over chosen and rejected together
+            loss = loss + c.aux_loss_coef * aux
         n = float(b)
         ratios: Ratios = {
             "loss": (float(losses.detach().sum()), n),
@@ -111,6 +115,8 @@ class DPOTrainer(OfflineTrainer):
             "rejected_reward": (float(rejected_reward.sum()), n),
             "chosen_nll": (float(-policy[:b].detach().sum()), float(lengths[:b].sum())),
         }
+        if aux is not None:
+            ratios["aux_loss"] = (float(aux.detach()), 1.0)
         return loss, ratios
 
 

@@ -56,6 +56,10 @@ class RMConfig(OfflineConfig, PreferenceKeys):
         super().validate()
         if self.margin_loss and not self.margin_key:
             raise ConfigError("--margin_loss needs --margin_key (the field holding each pair's margin)")
+        if self.aux_loss_coef > 0:
+            raise ConfigError(f"--aux_loss_coef {self.aux_loss_coef}: the reward-model trainer does not add the MoE "
+                              "router's load-balancing loss (its score head returns no router logits); drop it, or "
+                              "train a MoE model with it in SFT / DPO")
 
 
 def sequence_classification_architecture(token_classification: str) -> str:

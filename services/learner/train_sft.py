@@ -21,7 +21,7 @@ from services.learner.offline import (
     OfflineConfig,
     OfflineTrainer,
     Ratios,
-    next_token_logprobs,
+    logprobs_and_aux_loss,
     pad_right,
     response_logprob_sums,
     sequences_batch,
@@ -29,10 +29,17 @@ from services.learner.offline import (
 )
 
 
+# OpenRLHF's train_sft formats plain-text prompts with this unless told otherwise (--input_template).
+OPENRLHF_SFT_TEMPLATE = "User: {}\nAssistant: "
+
+
 @dataclasses.dataclass
 class SFTConfig(OfflineConfig):
     """Supervised fine-tuning of a causal LM on prompt/response pairs or conversations."""
 
+    input_template: str = opt(OPENRLHF_SFT_TEMPLATE, "format string with {} for a plain-text prompt (as OpenRLHF's "
+                              "default, a real newline in it); '' = the raw prompt; with --apply_chat_template "
+                              "the default is not used")
     input_key: str = opt("input", "field of the prompt (a string or a chat message list)")
     output_key: str = opt("output", "field of the response (a string or the assistant's message list)")
     multiturn: bool = opt(False, "rows are whole conversations in --input_key (message lists); the loss covers "
@@ -43,6 +50,8 @@ class SFTConfig(OfflineConfig):
         super().validate()
         if self.multiturn:
             self.apply_chat_template = True  # conversations can only be rendered by the chat template
+        if self.apply_chat_template and self.input_template == OPENRLHF_SFT_TEMPLATE:
+            self.input_template = ""  # OpenRLHF renders chats without it; a template given otherwise still applies
 
 
 class SFTTrainer(OfflineTrainer):
@@ -64,11 +73,15 @@ class SFTTrainer(OfflineTrainer):
                              self.config.packing_samples).to(engine.device)
         loss_mask, _ = pad_right([r.loss_mask for r in rows], 0)  # (B, T), padded or packed alike
         loss_mask = loss_mask.to(engine.device)
-        logprobs = next_token_logprobs(engine, mb)  # (B, T-1)
+        coef = self.config.aux_loss_coef
+        logprobs, aux = logprobs_and_aux_loss(engine, mb, aux=coef > 0)  # (B, T-1), MoE router loss or None
         loss = sft_loss(logprobs, loss_mask)
         sums, counts = response_logprob_sums(logprobs.detach(), loss_mask)
         ratios: Ratios = {"loss": (-float(sums.sum()), float(counts.sum())),
                           "response_tokens": (float(counts.sum()), float(len(rows)))}
+        if aux is not None:  # "loss" stays the NLL, as OpenRLHF logs gpt_loss apart from aux_loss
+            loss = loss + coef * aux
+            ratios["aux_loss"] = (float(aux.detach()), 1.0)
         return loss, ratios
 
 

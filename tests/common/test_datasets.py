@@ -222,9 +222,10 @@ def test_sft_pairs_train_on_the_response_only(tmp_path, tokenizer, tiny_data_dir
                           apply_chat_template=True, shuffle=False)[0].prompt
     n_prompt = ex.loss_mask.index(1)
     assert list(ex.input_ids[:n_prompt]) == tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    # Without the chat template: OpenRLHF's text, prompt + response + " " + eos (tests/common/test_sft_template.py).
     plain = load_sft(tiny_data_dir / "sft.jsonl", tokenizer=tokenizer, input_key="prompt", output_key="response",
                      max_samples=3, shuffle=False)[0]
-    assert masked_text(tokenizer, plain.input_ids, plain.loss_mask) == first["response"] + tokenizer.eos_token
+    assert masked_text(tokenizer, plain.input_ids, plain.loss_mask) == first["response"] + " " + tokenizer.eos_token
     assert masked_text(tokenizer, plain.input_ids, plain.loss_mask, want=0) == first["prompt"]
 
 

@@ -97,7 +97,8 @@ def test_gpu_only_flags_warn_on_cpu(paths):
         cfg = parse(base(paths, "--flash_attn", "--vllm_enable_sleep", "--deepspeed_enable_sleep",
                          "--vllm_gpu_memory_utilization", "0.9", "--vllm_sync_backend", "nccl"))
     messages = " ".join(str(w.message) for w in caught)
-    assert "--flash_attn needs a GPU" in messages and "--vllm_enable_sleep frees no memory on CPU" in messages
+    assert "--flash_attn (--ds.attn_implementation flash_attention_2) needs a CUDA GPU" in messages
+    assert "--vllm_enable_sleep frees no memory on CPU" in messages
     # Sleep flags stay on: the colocation order of the phases is the same on CPU.
     assert (cfg.flash_attn, cfg.vllm_enable_sleep, cfg.deepspeed_enable_sleep) == (False, True, True)
     assert cfg.vllm_gpu_memory_utilization == 0.1 and cfg.vllm_sync_backend == "gloo"
