@@ -45,6 +45,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 # How the project's own commands are called when an input is not given (services/cli.py).
 FETCH_MODEL = ["fetch-model", "{name}", "--out", "{out}"]
 MAKE_TASK = ["make-task", "{task}", "--out", "{out}"]
+# --task make-data: the tiny kit's arithmetic ("12+7=" prompts, train/test split), which needs no make-task
+MAKE_DATA = ["make-data", "{out}"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,7 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model_name", default="smollm2-135m-instruct", help="what rlmesh fetch-model fetches")
     p.add_argument("--train_file", default="", help="training prompts (JSONL); empty: rlmesh make-task --task")
     p.add_argument("--test_file", default="", help="held-out prompts (JSONL); with --train_file")
-    p.add_argument("--task", default="arith", help="what rlmesh make-task writes when no files are given")
+    p.add_argument("--task", default="arith", help="what rlmesh make-task writes when no files are given; "
+                   "make-data: rlmesh make-data's arith_train/arith_test.jsonl instead")
     p.add_argument("--input_key", default="prompt")
     p.add_argument("--label_key", default="label")
     p.add_argument("--eval_size", type=int, default=200, help="held-out problems scored at every checkpoint")
@@ -109,9 +112,11 @@ def project_command(template: list[str], log: pathlib.Path, **values) -> subproc
     done = subprocess.run(cmd, cwd=ROOT, env=child_env("rlmesh", log.parent), capture_output=True, text=True)
     log.write_text(f"$ {' '.join(cmd)}\n{done.stdout}\n{done.stderr}")
     if done.returncode != 0:
+        lines = [line.strip() for line in done.stderr.splitlines() if line.strip()] or ["no output"]
+        said = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
         raise SystemExit(f"learn_peers: `rlmesh {' '.join(template[:2]).format(**values)}` failed (exit "
-                         f"{done.returncode}; {log}): {done.stderr.strip()[-500:]}; or give the input yourself "
-                         "(--model_dir / --train_file and --test_file)")
+                         f"{done.returncode}; {log}): {said[:600]}; or give the input yourself "
+                         "(--model_dir / --train_file and --test_file, or --task make-data)")
     return done
 
 
@@ -131,7 +136,8 @@ def task_files(args, scratch: pathlib.Path, out: pathlib.Path) -> tuple[pathlib.
     if args.train_file:
         return pathlib.Path(args.train_file).resolve(), pathlib.Path(args.test_file).resolve()
     folder = scratch / "task"
-    project_command(MAKE_TASK, out / "make-task.log", task=args.task, out=folder)
+    project_command(MAKE_DATA if args.task == "make-data" else MAKE_TASK, out / "make-task.log", task=args.task,
+                    out=folder)
     files = sorted(glob.glob(str(folder / "**" / "*.jsonl"), recursive=True))
     train = [f for f in files if "train" in pathlib.Path(f).name]
     test = [f for f in files if re.search(r"test|heldout|held_out|eval", pathlib.Path(f).name)]
