@@ -28,7 +28,7 @@ from services.common.errors import failed_precondition
 from services.common.log import get_logger, log_event
 from services.common.logprobs import sequence_logprobs, token_logprobs
 from services.common import ownership
-from services.learner import checkpoint, host_offload, logprob_head, moe_aux, universal, warmup
+from services.learner import checkpoint, entropy_metric, host_offload, logprob_head, moe_aux, universal, warmup
 from services.learner.batches import MicroBatch, Sample, StepPlan, collate, ragged_rows
 from services.learner.config import LearnerConfig
 from services.learner.export_dtype import checkpoint_dtype, export_dtype, record_dtype
@@ -184,12 +184,15 @@ class LearnerRank:
         logits = forward_micro_batch(self.critic, mb).logits  # (rows, T, 1)
         return logits[:, :-1, 0].reshape(-1)[mb.out_index].float()
 
-    def actor_outputs(self, mb: MicroBatch, temperature: float, want_entropy: bool, want_aux: bool = False):
+    def actor_outputs(self, mb: MicroBatch, temperature: float, want_entropy: bool, want_aux: bool = False,
+                      measure_entropy: bool = False):
         """(B, R) log-probs of the response tokens, their entropies when asked (else None), and the
-        MoE router's load-balancing loss when asked (else None)."""
+        MoE router's load-balancing loss when asked (else None). measure_entropy: the entropies as a
+        metric, without a graph where the head allows (services/learner/entropy_metric.py)."""
         if self.config.logprobs_head != "full":
             return logprob_head.response_outputs(self.actor.module, mb, temperature, self.config.logprobs_head,
-                                                 self.config.logprobs_chunk_tokens, want_entropy, want_aux)
+                                                 self.config.logprobs_chunk_tokens, want_entropy or measure_entropy,
+                                                 want_aux)
         outputs = forward_micro_batch(self.actor, mb, **(moe_aux.ROUTER_KWARGS if want_aux else {}))
         aux = moe_aux.router_aux_loss(self.actor, outputs, mb.attention_mask) if want_aux else None
         logits = outputs.logits  # (rows, T, V)
@@ -198,7 +201,10 @@ class LearnerRank:
         response_logits = logits[:, :-1].reshape(-1, vocab)[mb.out_index]  # (B, R, V)
         labels = mb.input_ids[:, 1:].reshape(-1)[mb.out_index]  # (B, R)
         logp = token_logprobs(response_logits, labels, temperature)
-        entropy = rl_math.entropy_from_logits(response_logits, temperature) if want_entropy else None
+        if want_entropy:
+            entropy = rl_math.entropy_from_logits(response_logits, temperature)
+        else:
+            entropy = entropy_metric.entropy_without_grad(response_logits, temperature) if measure_entropy else None
         return logp, entropy, aux
 
     # ------------------------------------------------------------------------------------------
@@ -263,6 +269,7 @@ class LearnerRank:
         temperature = loss_cfg["temperature"]
         kl_coef, entropy_coef = loss_cfg["kl_coef"], loss_cfg["entropy_coef"]
         tis_cap, aux_coef = loss_cfg.get("tis_cap", 0.0), loss_cfg.get("aux_loss_coef", 0.0)
+        measure_entropy = entropy_metric.measured(self.config.logprobs_head, entropy_coef)
         gspo = loss_cfg["ratio_type"] == "sequence"
 
         def micro_loss(mb: MicroBatch, step: StepPlan):
@@ -272,7 +279,8 @@ class LearnerRank:
             policy_normalizer = step.tokens if policy_level == "token" else step.sequences
             mask = mb.action_mask
             old = mb.fields["old_logprobs"]
-            logp, entropy, aux = self.actor_outputs(mb, temperature, entropy_coef != 0, aux_coef > 0)
+            logp, entropy, aux = self.actor_outputs(mb, temperature, entropy_coef != 0, aux_coef > 0,
+                                                    measure_entropy=measure_entropy)
             # Importance-sampling correction: the rollout engine's log-probs are the behaviour policy
             # (async lag, other kernels). Token weights for PPO; GSPO takes its sequence ratio from them.
             rollout = mb.fields["rollout_logprobs"] if tis_cap > 0 else None
@@ -307,6 +315,8 @@ class LearnerRank:
                 ent = rl_math.aggregate_loss(entropy, mask, level, normalizer)
                 loss = loss - entropy_coef * ent
                 stats["entropy"] = ent
+            elif entropy is not None:  # measured only: the same aggregate, outside the loss
+                stats["entropy"] = rl_math.aggregate_loss(entropy.detach(), mask, level, normalizer)
             return loss, stats
 
         return self._train(self.actor, payload["steps"], micro_loss)

@@ -325,7 +325,9 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             tokens = max(c["tokens"], 1.0)
             response = learner_pb2.TrainActorResponse(
                 policy_loss=totals.get("policy_loss", 0.0) / kept, kl_loss=totals.get("kl_loss", 0.0) / kept,
-                entropy=totals.get("entropy", 0.0) / kept, clip_ratio=totals.get("clip_ratio", 0.0) / tokens,
+                # NaN where the learner did not measure it (services/learner/entropy_metric.py).
+                entropy=totals["entropy"] / kept if "entropy" in totals else math.nan,
+                clip_ratio=totals.get("clip_ratio", 0.0) / tokens,
                 ppo_kl=totals.get("ppo_kl", 0.0) / tokens, grad_norm=c["grad_norm"], learning_rate=c["lr"],
                 optimizer_steps=c["kept"], skipped_steps=c["steps"] - c["kept"], tokens=int(c["tokens"]),
                 tis_weight_mean=totals.get("tis_weight", 0.0) / tokens,

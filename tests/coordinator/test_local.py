@@ -8,6 +8,7 @@ import signal
 import time
 
 from services.coordinator.loop import checkpoint
+from services.coordinator.loop.samples_log import read_samples
 from tests.coordinator.conftest import (finish, pid_alive, read_metrics, service_pids, start_coordinator,
                                         wait_for_file)
 
@@ -33,7 +34,8 @@ def seed_grpo_command(model, reward_model, data, out) -> list[str]:
             "--prompt_data", str(data / "arith_train.jsonl"), "--input_key", "prompt", "--apply_chat_template",
             "--n_samples_per_prompt", "2", "--max_steps", "2", "--generate_max_len", "16", "--prompt_max_len", "64",
             "--ckpt_path", str(out / "ckpt"), "--save_steps", "1", "--run_dir", str(out / "run"),
-            "--enforce_eager"]  # vLLM without torch.compile: starts in ~21 s instead of ~55 s on 2 cores
+            # vLLM is eager on a CPU without --enforce_eager (asserted below); the rollout dtype is chosen.
+            "--rollout_dtype", "float32"]
 
 
 def test_seed_grpo_command_runs_locally(tiny_model_dir, tiny_reward_model_dir, tiny_data_dir, tmp_path):
@@ -58,6 +60,19 @@ def test_seed_grpo_command_runs_locally(tiny_model_dir, tiny_reward_model_dir, t
     assert (tmp_path / "ckpt" / "global_step_2" / "coordinator.json").is_file()
     assert (tmp_path / "model" / "config.json").is_file()
     assert (tmp_path / "run" / "plots" / "summary.png").is_file()
+    # vLLM's own configuration line: eager by default on a CPU (no ~30 s compile), float32 as asked
+    # although --bf16 trains in bfloat16; the push's harmless reload warning is not in its log.
+    rollout_log = (tmp_path / "run" / "logs" / "rollout-0.log").read_text(errors="replace")
+    assert "enforce_eager=True" in rollout_log and "dtype=torch.float32" in rollout_log
+    assert "Failed to load weights" not in rollout_log and "weights.update.done version=2" in rollout_log
+    # What a user watches: the learner's entropy (computed, never a 0.0 standing in), lengths, the
+    # truncated share (16-token cap, random weights: most run to it), and each step's samples file.
+    for r in records:
+        assert r["actor/entropy"] > 0 and 0 < r["response_length/max"] <= 16
+        samples = read_samples(tmp_path / "run", r["global_step"])
+        assert len(samples) == 8  # --log_samples' default, of the step's 16
+        assert len({s["prompt_uid"] for s in samples}) == 8  # one sample of each of the 8 prompts
+        assert all(s["weight_version"] == r["global_step"] - 1 and s["response"] is not None for s in samples)
     pids = service_pids(tmp_path / "run")
     assert set(pids) == {"learner", "rollout-0", "reward-ref-0"}
     assert not [name for name, pid in pids.items() if pid_alive(pid)], "services outlived the coordinator"

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 from rlmesh.common.v1 import common_pb2
 from rlmesh.learner.v1 import learner_pb2 as pb
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from services.common import rl_math
 from services.common.tensors import ragged_to_proto, to_proto
 from tests.conftest import get_free_port
 from tests.learner.learner_helpers import (
@@ -119,6 +120,23 @@ def test_training_lowers_the_loss_and_moves_every_parameter(learner, plain_model
     initial = load_file(str(tiny_model_dir / "model.safetensors"))
     unmoved = [name for name in initial if torch.equal(initial[name], trained[name])]
     assert trained.keys() == initial.keys() and not unmoved, unmoved
+
+
+def test_train_actor_measures_the_entropy_of_the_logits_it_trains_on(learner, tmp_path):
+    """No entropy term, --logprobs_head full: the learner still reports the policy's entropy, taken from
+    the logits it has; one optimizer step's token mean equals a plain forward pass of its weights."""
+    export_weights(learner.stub, tmp_path / "export")
+    current = AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
+    seqs, starts = random_sequences(TRAIN_BATCH, current.config.vocab_size, seed=14)
+    with torch.no_grad():
+        want = torch.cat([rl_math.entropy_from_logits(current(s[None]).logits[0, int(st) - 1:-1])
+                          for s, st in zip(seqs, starts)]).mean().item()
+    batch = experience(seqs, starts, old_logprobs=logprobs(learner.stub, seqs, starts),
+                       advantages=signed_advantages(seqs, starts))
+    r = learner.stub.TrainActor(pb.TrainActorRequest(batch=batch, shuffle_seed=0, loss=pb.ActorLoss(eps_clip_low=10.0)),
+                                timeout=300)
+    assert r.optimizer_steps == 1 and want > 1.0
+    assert r.entropy == pytest.approx(want, rel=1e-4)
 
 
 def test_push_weights_gathers_partitions_bit_exact(learner, tmp_path):

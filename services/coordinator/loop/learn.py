@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 
@@ -116,10 +117,12 @@ async def train(learner, cfg, step: int, batch: dict, kl_coef: float, use_ref: b
             request_id=f"step{step}"), timeout=cfg.rpc_timeout_s))
     replies = await gather_or_cancel(calls)
     actor = replies[0]
-    out = {"actor/policy_loss": actor.policy_loss, "actor/kl_loss": actor.kl_loss, "actor/entropy": actor.entropy,
+    out = {"actor/policy_loss": actor.policy_loss, "actor/kl_loss": actor.kl_loss,
            "actor/clip_ratio": actor.clip_ratio, "actor/ppo_kl": actor.ppo_kl, "actor/grad_norm": actor.grad_norm,
            "actor/lr": actor.learning_rate, "actor/optimizer_steps": actor.optimizer_steps,
            "actor/skipped_steps": actor.skipped_steps, "actor/tokens": actor.tokens}
+    if math.isfinite(actor.entropy):  # NaN: the learner did not measure it (never logged as a 0.0)
+        out["actor/entropy"] = actor.entropy
     if cfg.use_tis:
         out["actor/rollout_kl"] = actor.rollout_kl
         if cfg.policy_loss_type != "gspo":  # GSPO corrects its sequence ratio instead of weighting tokens
