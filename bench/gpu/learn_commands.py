@@ -122,7 +122,7 @@ def trl_settings(s: Settings, inputs: Inputs, work: pathlib.Path, scratch: pathl
         output_dir=str(scratch / "out"), per_device_train_batch_size=s.micro_batch,
         gradient_accumulation_steps=s.samples_per_step // s.micro_batch, num_generations=s.samples_per_prompt,
         max_completion_length=s.max_new_tokens, max_steps=s.steps, learning_rate=s.learning_rate,
-        lr_scheduler_type="constant", warmup_ratio=0.0, adam_beta1=0.9, adam_beta2=0.95, weight_decay=0.0,
+        lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.95, weight_decay=0.0,
         max_grad_norm=1.0, beta=0.0, num_iterations=1, epsilon=0.2, loss_type="dapo", scale_rewards="group",
         vllm_importance_sampling_correction=False, temperature=1.0, top_p=1.0,
         # fp32 master weights under bf16 autocast, as DeepSpeed and FSDP keep them for the others: in a
