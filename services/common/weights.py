@@ -181,7 +181,9 @@ def pack_bucket(tensors: Mapping[str, torch.Tensor], slots: Sequence[ParamSlot],
     """Copies one bucket's tensors (cast to their wire dtype) into a new flat uint8 buffer.
 
     tensors: name -> tensor with the slot's shape (any dtype, any device; cast here).
-    Returns a (size,) uint8 tensor on `device`. Padding bytes are zero.
+    Returns a (size,) uint8 tensor on `device`. Padding bytes are zero. A zero is sent as +0.0
+    (canonical_zeros), so that an engine which reads its weights back through its GEMM kernels
+    finds the very bytes that were sent.
     """
     buffer = torch.zeros(size, dtype=torch.uint8, device=device)
     for s in slots:
@@ -189,8 +191,21 @@ def pack_bucket(tensors: Mapping[str, torch.Tensor], slots: Sequence[ParamSlot],
         if tuple(t.shape) != s.shape:
             raise ValueError(f"parameter {s.name!r}: tensor shape {list(t.shape)} != planned {list(s.shape)}")
         view = buffer[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape)
-        view.copy_(t.detach())
+        t = t.detach()
+        if t.device == view.device and t.is_floating_point():
+            torch.add(t, 0.0, out=view)  # cast and canonical_zeros in one pass
+        else:
+            view.copy_(t)
+            view.add_(0.0)  # x + 0.0 is x for every value but -0.0, which becomes +0.0
     return buffer
+
+
+def canonical_zeros(t: torch.Tensor) -> torch.Tensor:
+    """t with every -0.0 replaced by +0.0 (a copy; other values, inf and NaN unchanged); non-float
+    tensors as they are. Every digest of a floating tensor is over this form (combine_digests):
+    multiplying by 1 and adding zeros, as a read-back through a GEMM does, cannot keep a zero's
+    sign, and the two zeros compute alike in every matmul."""
+    return t + 0.0 if t.is_floating_point() else t
 
 
 def unpack_bucket(buffer: torch.Tensor, slots: Sequence[ParamSlot]) -> list[tuple[str, torch.Tensor]]:
@@ -372,9 +387,9 @@ def bucket_digests(buffer: torch.Tensor, slots: Sequence[ParamSlot]) -> dict[str
 
 
 def tensor_digest(t: torch.Tensor) -> bytes:
-    """The 16-byte digest (see combine_digests) of a tensor's raw row-major bytes in its own dtype,
-    computed on the tensor's device."""
-    t = t.detach().contiguous()
+    """The 16-byte digest (see combine_digests) of a tensor's raw row-major bytes in its own dtype
+    (zeros as +0.0), computed on the tensor's device."""
+    t = canonical_zeros(t.detach()).contiguous()
     raw = t.reshape(-1).view(torch.uint8)
     buffer = torch.zeros(_align(raw.numel()), dtype=torch.uint8, device=t.device)
     buffer[:raw.numel()] = raw
@@ -400,8 +415,9 @@ def combine_digests(entries: Mapping[str, DigestEntry]) -> str:
         name (UTF-8) + b"\\0" + dtype name ("float32" | "bfloat16" | "float16") + b"\\0"
         + shape as decimal numbers joined by "," + b"\\0" + tensor digest (16 bytes)
     where the tensor digest of a tensor is computed from its raw little-endian row-major bytes in
-    that dtype, zero-padded to a multiple of 4 bytes and read as signed 32-bit little-endian
-    integers w_0 .. w_{n-1}:
+    that dtype (a floating tensor's zeros taken as +0.0: canonical_zeros; pack_bucket sends them so),
+    zero-padded to a multiple of 4 bytes and read as signed 32-bit little-endian integers
+    w_0 .. w_{n-1}:
         A = sum of w_i                 modulo 2**64
         B = sum of (i + 1) * w_i       modulo 2**64
         tensor digest = A, then B, each as 8 bytes little-endian two's complement.
