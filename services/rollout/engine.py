@@ -86,6 +86,17 @@ class WeightChunk:
 
 
 @dataclass(frozen=True)
+class Received:
+    """What one UpdateWeights chunk did to an engine's model."""
+
+    digests: dict[str, DigestEntry]  # name -> digest of the bytes that arrived, for the chunk's tensors
+    # The push's final chunk: name -> digest of what the model now computes with, read back from it,
+    # for every tensor of the push (for an adapter push: every weight it loaded); None before the final
+    # chunk. An engine raises instead when the two differ (services/rollout/held_weights.py).
+    held: dict[str, DigestEntry] | None = None
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     """What GetModelInfo reports and the servicer validates against."""
 
@@ -129,11 +140,12 @@ class Engine(abc.ABC):
         """Joins the push group on every worker (gloo/nccl) or selects ipc; returns the ranks taken."""
 
     @abc.abstractmethod
-    async def receive_weights(self, chunk: WeightChunk) -> dict[str, DigestEntry]:
-        """Receives one chunk into the model; returns the digests of what arrived. Raises on failure
-        (the model may then hold a mix of old and new weights). An adapter push's tensors are kept
-        until its final chunk, which merges them into the --pretrain weights of the targets
-        (adapters.py) and loads those."""
+    async def receive_weights(self, chunk: WeightChunk) -> Received:
+        """Receives one chunk into the model; returns the digests of what arrived and, at the push's
+        final chunk, of what the model then holds, read back from it. Raises on failure (the model
+        may then hold a mix of old and new weights), also when the model holds other values than
+        it was given. An adapter push's tensors are kept until its final chunk, which merges them
+        into the --pretrain weights of the targets (adapters.py) and loads those."""
 
     @abc.abstractmethod
     async def reset_prefix_cache(self) -> None:

@@ -22,7 +22,7 @@ from services.common.weights import DigestEntry, LoraAdapter, tensor_digest
 from services.rollout import cpu_defaults
 from services.rollout.config import RolloutConfig
 from services.rollout.adapters import CheckpointWeights, adapter_weights
-from services.rollout.engine import Engine, ModelFacts, SampleResult, SampleSpec, Sampling, WeightChunk
+from services.rollout.engine import Engine, ModelFacts, Received, SampleResult, SampleSpec, Sampling, WeightChunk
 from services.rollout.weight_receiver import WeightReceiver
 
 log = get_logger("rollout")
@@ -212,10 +212,11 @@ class HfEngine(Engine):
                                        rank_offset, group_name, timeout_s)
         return [rank] if rank >= 0 else []
 
-    async def receive_weights(self, chunk: WeightChunk) -> dict[str, DigestEntry]:
+    async def receive_weights(self, chunk: WeightChunk) -> Received:
         params = dict(self.model.named_parameters())
         if chunk.chunk_index == 0:
             self._adapter_tensors = {}
+            self._push_received: dict[str, DigestEntry] = {}
 
         def load(pairs: list[tuple[str, torch.Tensor]]) -> None:
             if chunk.adapter is not None:  # kept (the bucket buffers are reused) until the final chunk merges them
@@ -230,7 +231,22 @@ class HfEngine(Engine):
             if chunk.adapter is not None and chunk.final:
                 await asyncio.to_thread(self._merge_adapter, chunk.adapter, params)
         slots = {s.name: s for s in chunk.slots}
-        return {n: DigestEntry(slots[n].dtype, slots[n].shape, bytes.fromhex(d)) for n, d in digests.items()}
+        received = {n: DigestEntry(slots[n].dtype, slots[n].shape, bytes.fromhex(d)) for n, d in digests.items()}
+        if chunk.adapter is not None:  # merged into the parameters directly, as full pushes are
+            return Received(received)
+        self._push_received.update(received)
+        if not chunk.final:
+            return Received(received)
+        return Received(received, await asyncio.to_thread(self._held, params, self._push_received))
+
+    def _held(self, params: dict[str, torch.nn.Parameter], given: dict[str, DigestEntry]) -> dict[str, DigestEntry]:
+        """The digests of what the model holds now, for every tensor of a push (transformers computes
+        with the parameters themselves, a tied head with the embedding's); raises if one is not as given."""
+        held = {n: DigestEntry(e.dtype, e.shape, tensor_digest(params[n])) for n, e in given.items()}
+        wrong = sorted(n for n in given if held[n].digest != given[n].digest)
+        if wrong:
+            raise RuntimeError(f"the model holds other values than it was given for {len(wrong)} tensors: {wrong[:8]}")
+        return held
 
     def _merge_adapter(self, adapter: LoraAdapter, params: dict[str, torch.nn.Parameter]) -> None:
         """Loads the --pretrain weights of the adapter's targets merged with it (adapters.py)."""

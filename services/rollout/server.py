@@ -50,6 +50,7 @@ from services.rollout import metrics
 from services.rollout.config import RolloutConfig
 from services.rollout.engine import Engine, SampleResult, SampleSpec
 from services.rollout.engines import build_engine
+from services.rollout.held_weights import HeldWeightsError
 from services.rollout.requests import PushProgress, check_generate_shape, parse_sampling, parse_update, prepare_prompts
 
 SERVICE_NAME = "rlmesh.rollout.v1.RolloutService"
@@ -371,7 +372,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         log_event(log, "weights.update.start", version=version, chunk=chunk.chunk_index, final=chunk.final,
                   params=len(chunk.slots), bytes=sum(chunk.bucket_sizes))
         try:
-            digests = await self.engine.receive_weights(chunk)
+            receipt = await self.engine.receive_weights(chunk)
+            digests = receipt.digests
             if set(digests) != {s.name for s in chunk.slots}:
                 raise RuntimeError(f"the workers loaded {len(digests)} parameters, the chunk has {len(chunk.slots)}")
         except Exception as exc:
@@ -384,10 +386,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                             "the engine may hold a mix of old and new weights until a complete push succeeds")
             log_event(log, "weights.update.failed", version=version, chunk=chunk.chunk_index, error=exc)
             await self._unfreeze(None)  # they must not continue on a mix of old and new weights
+            fix = ("the same push would fail again: report it with the tensors named, and meanwhile serve this "
+                   "model with --engine hf" if isinstance(exc, HeldWeightsError) else
+                   "call InitWeightTransfer again and push every parameter from chunk_index 0")
             raise ServiceError(grpc.StatusCode.ABORTED,
                                f"weight push of version {version} failed while receiving chunk {chunk.chunk_index}: "
-                               f"{exc}; Generate is refused until a complete push succeeds; fix: call "
-                               "InitWeightTransfer again and push every parameter from chunk_index 0") from exc
+                               f"{exc}; Generate is refused until a complete push succeeds; fix: {fix}") from exc
         elapsed = time.perf_counter() - start
         metrics.WEIGHT_UPDATE_DURATION.observe(elapsed)
         metrics.WEIGHT_UPDATE_BYTES.inc(sum(chunk.bucket_sizes))
@@ -403,6 +407,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.digests, self.push = self.push_digests, None
         self.version = version
         if chunk.adapter is None:
+            # What the model holds, read back (the engine raised above if it is not what arrived); the
+            # learner's checksum of what it sent equals it only if both are the learner's weights.
+            self.digests = receipt.held if receipt.held is not None else self.digests
             self.checksum = combine_digests(self.digests)
             self.base_intact = self.checksum == self.initial_checksum  # e.g. the checkpoint pushed back
         else:

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 from collections.abc import AsyncIterator, Sequence
 
+import torch
 import vllm
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
@@ -32,11 +34,13 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from services.common.log import get_logger, log_event
 from services.common.weights import DigestEntry
+from services.rollout.held_weights import held_digests
 from services.rollout import cpu_defaults, vllm_log_filter
 from services.rollout.config import RolloutConfig
 from services.rollout.engine import (
     Engine,
     ModelFacts,
+    Received,
     SampleResult,
     SampleSpec,
     Sampling,
@@ -242,17 +246,29 @@ class VllmEngine(Engine):
             args=(backend, master_address, master_port, world_size, rank_offset, group_name, timeout_s))
         return [r for r in ranks if r >= 0]
 
-    async def receive_weights(self, chunk: WeightChunk) -> dict[str, DigestEntry]:
-        per_worker = await self.llm.collective_rpc("rlmesh_receive_weights", args=(chunk_to_wire(chunk),))
+    async def receive_weights(self, chunk: WeightChunk) -> Received:
+        reports = await self.llm.collective_rpc("rlmesh_receive_weights", args=(chunk_to_wire(chunk),))
         # Every tensor-parallel worker received the full tensors; they must agree byte for byte.
-        first = per_worker[0]
-        for rank, digests in enumerate(per_worker[1:], start=1):
+        first = reports[0]["received"]
+        for rank, report in enumerate(reports[1:], start=1):
+            digests = report["received"]
             if digests != first:
                 differing = sorted(n for n in set(first) | set(digests) if first.get(n) != digests.get(n))
                 raise RuntimeError(f"worker {rank} received different bytes than worker 0 for {differing[:5]}")
         slots = {s.name: s for s in chunk.slots}
-        return {name: DigestEntry(slots[name].dtype, slots[name].shape, bytes.fromhex(d))
-                for name, d in first.items()}
+        received = {name: DigestEntry(slots[name].dtype, slots[name].shape, bytes.fromhex(d))
+                    for name, d in first.items()}
+        if not chunk.final:
+            return Received(received)
+        # What the workers' models now compute with (worker_extension.py, readback.py).
+        held, unverified = held_digests(reports, f"the vLLM {vllm.__version__} engine")
+        if unverified:
+            log_event(log, "weights.not_read_back", level=logging.WARNING, tensors=len(unverified),
+                      examples="; ".join(f"{n}: {why}" for n, why in list(unverified.items())[:3]),
+                      note="taken as received: the read-back does not know where this model keeps them")
+        loaded = reports[0]["loaded"]
+        return Received(received, {name: DigestEntry(getattr(torch, loaded[name][1]), tuple(loaded[name][2]),
+                                                     bytes.fromhex(d)) for name, d in held.items()})
 
     async def reset_prefix_cache(self) -> None:
         await self.llm.reset_prefix_cache()
