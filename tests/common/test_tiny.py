@@ -70,6 +70,21 @@ def test_other_arch_and_size_load(tmp_path, arch, size, low, high):
     assert out.shape == (1, ids.shape[1] + 4)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+def test_tied_models_share_the_embedding_as_their_head(tmp_path, arch):
+    """--tied: the head is the embedding matrix (as in SmolLM2, Qwen2.5 up to 3B); the file holds no head."""
+    from safetensors import safe_open
+
+    assert main_make_tiny_model([str(tmp_path / arch), "--arch", arch, "--tied"]) == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / arch)
+    assert model.config.model_type == arch and model.config.tie_word_embeddings is True
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    with safe_open(str(tmp_path / arch / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
+    with pytest.raises(SystemExit):
+        main_make_tiny_model([str(tmp_path / "rm"), "--reward", "--tied"])
+
+
 def test_qwen25_05b_shape_has_its_layers_and_room_for_long_responses():
     """The GPU benchmarks' size: Qwen2.5-0.5B's layers with this tokenizer (built on the meta device: no weights)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
