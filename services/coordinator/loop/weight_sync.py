@@ -6,7 +6,10 @@
     push            PushWeights streams chunks from the learner; each chunk goes to every engine
                     (UpdateWeights) and is acknowledged back to the learner before the next one
     verify          every engine answers the pushed version and the learner's checksum, and
-                    GetModelInfo says READY: "did the weights arrive" is never a matter of faith
+                    GetModelInfo says READY: "did the weights arrive" is never a matter of faith. An
+                    engine's checksum is of what its model holds, read back from it after loading
+                    (services/rollout/readback.py); a tensor it holds otherwise than it received
+                    fails its UpdateWeights with the tensor named, and the run stops with that error
 
 The run's version bookkeeping (state, control API, metrics) is the loop's (trainer.push_weights).
 """
@@ -121,13 +124,21 @@ class WeightSync:
         call = self.learner.PushWeights(request_iter(), timeout=timeout)
         replies: list[rollout_pb2.UpdateWeightsResponse] = []
         done = None
+        failed: list = []  # the engine whose UpdateWeights failed, for the error
+
+        async def update_engine(engine, update):
+            try:
+                return await engine.stub.UpdateWeights(update, timeout=timeout)
+            except grpc.aio.AioRpcError:
+                failed.append(engine)
+                raise
         try:
             async for message in call:
                 if message.HasField("chunk"):
                     update = message.chunk.update
                     update.pause_generation = self.config.partial_rollout  # running generations continue on it
                     crash_point("coordinator.push.chunk_from_learner")
-                    replies = await gather_or_cancel([e.stub.UpdateWeights(update, timeout=timeout) for e in engines])
+                    replies = await gather_or_cancel([update_engine(e, update) for e in engines])
                     crash_point("coordinator.push.chunk_relayed")
                     await requests.put(learner_pb2.PushWeightsRequest(
                         ack=learner_pb2.PushWeightsAck(chunk_index=update.chunk_index)))
@@ -148,7 +159,8 @@ class WeightSync:
                     learner_error = f"the learner's PushWeights failed: {code.name}: {await call.details()}; "
             except (asyncio.TimeoutError, grpc.aio.AioRpcError):
                 call.cancel()
-            raise WeightSyncError(f"weight push of version {version} failed: {learner_error}"
+            engine = f"rollout {failed[0].index} ({failed[0].address}): " if failed else ""
+            raise WeightSyncError(f"weight push of version {version} failed: {learner_error}{engine}"
                                   f"{exc.code().name}: {exc.details()}") from None
         finally:
             await requests.put(None)
@@ -158,7 +170,8 @@ class WeightSync:
             if reply.weight_version != version or reply.weights_checksum != done.weights_checksum:
                 raise WeightSyncError(f"rollout {engine.index} ({engine.address}) answered version "
                                       f"{reply.weight_version} checksum {reply.weights_checksum!r} to a push of version "
-                                      f"{version} checksum {done.weights_checksum!r}")
+                                      f"{version} checksum {done.weights_checksum!r}: the weights it holds (its "
+                                      "checksum is read back from its model) are not the ones the learner sent")
         await self.verify(version, done.weights_checksum, engines)
         crash_point("coordinator.push.version_committed")
         return {"weights/version": version, "weights/push_s": time.monotonic() - t0, "weights/bytes": done.bytes,
