@@ -164,13 +164,14 @@ def test_eval_metrics_reach_prometheus_and_plots_merge_records(tmp_path):
     log.log(1, {"reward/mean": 0.5})
     # An evaluation logged on its own at an already logged step (the data ran out early).
     log.log(1, {"eval/pass@1": 0.25, "eval/pass@4": 0.75, "eval/response_length": 6.0,
-                "eval/gsm/pass@1": 0.5, "eval/gsm/response_length": 7.0})
+                "eval/gsm/pass@1": 0.5, "eval/gsm/response_length": 7.0, "eval/pass@1_ci_low": 0.1})
     log.close()
     sample = prometheus_client.REGISTRY.get_sample_value
     assert sample("rlmesh_coordinator_eval_pass_ratio", {"k": "1", "datasource": "all"}) == 0.25
     assert sample("rlmesh_coordinator_eval_pass_ratio", {"k": "4", "datasource": "all"}) == 0.75
     assert sample("rlmesh_coordinator_eval_pass_ratio", {"k": "1", "datasource": "gsm"}) == 0.5
     assert sample("rlmesh_coordinator_eval_response_length_tokens", {"datasource": "gsm"}) == 7.0
+    assert sample("rlmesh_coordinator_eval_pass_ratio", {"k": "1_ci_low", "datasource": "all"}) is None  # not a k
     merged = plot_records(run)
     assert len(merged) == 1 and merged[0]["reward/mean"] == 0.5 and merged[0]["eval/pass@1"] == pytest.approx(0.25)
 

@@ -8,7 +8,8 @@ import pytest
 from services.common.config import parse_config
 from services.coordinator.loop.agent import Outcome
 from services.coordinator.cli.eval_cli import EvalConfig
-from services.coordinator.loop.evaluate import PromptResult, is_correct, pass_at_k, summarize
+from services.common.confidence import bootstrap_mean_interval, wilson_interval
+from services.coordinator.loop.evaluate import PromptResult, decoding_keys, is_correct, pass_at_k, summarize
 
 
 def test_pass_at_k_matches_the_combinatorial_definition():
@@ -32,7 +33,39 @@ def test_summary_overall_and_per_datasource():
     assert m["eval/gsm/pass@1"] == pytest.approx(0.125) and m["eval/gsm/pass@4"] == 0.5
     assert m["eval/math/prompts"] == 1.0
     single = summarize([PromptResult("a", [True], [3])], n=1)
-    assert single == {"eval/pass@1": 1.0, "eval/response_length": 3.0, "eval/prompts": 1.0}
+    assert single == {"eval/pass@1": 1.0, "eval/pass@1_ci_low": pytest.approx(0.2065, abs=1e-4),
+                      "eval/pass@1_ci_high": 1.0, "eval/response_length": 3.0, "eval/prompts": 1.0}
+
+
+def test_pass_at_1_intervals_per_source_and_difficulty():
+    """Greedy (one sample per prompt): Wilson's interval of the count; several samples: the bootstrap of
+    the per-prompt shares. Scopes: each data source, and each difficulty within a source."""
+    greedy = ([PromptResult("arith", [True], [4], "1") for _ in range(6)]
+              + [PromptResult("arith", [False], [4], "1") for _ in range(2)]
+              + [PromptResult("arith", [i < 1], [4], "10") for i in range(4)]
+              + [PromptResult("arith", [False], [4], "2") for _ in range(2)])
+    m = summarize(greedy, n=1)
+    assert (m["eval/pass@1_ci_low"], m["eval/pass@1_ci_high"]) == wilson_interval(7, 14)
+    assert m["eval/by_difficulty/1/pass@1"] == 0.75 and m["eval/by_difficulty/10/prompts"] == 4.0
+    assert (m["eval/by_difficulty/1/pass@1_ci_low"], m["eval/by_difficulty/1/pass@1_ci_high"]) == wilson_interval(6, 8)
+    assert m["eval/by_difficulty/2/pass@1_ci_low"] == 0.0 < m["eval/by_difficulty/2/pass@1_ci_high"]
+    assert [k.split("/")[2] for k in m if k.endswith("/prompts") and "by_difficulty" in k] == ["1", "2", "10"]
+    assert not any(k.startswith("eval/arith/") for k in m)  # one data source: no per-source keys
+
+    sampled = [PromptResult("arith", [True, True, False, False], [4] * 4, "1"),
+               PromptResult("arith", [True] * 4, [4] * 4, "2"),
+               PromptResult("count", [False] * 4, [4] * 4),
+               PromptResult("count", [True, False, False, False], [4] * 4)]
+    m = summarize(sampled, n=4)
+    assert m["eval/pass@1"] == pytest.approx(0.4375)
+    assert (m["eval/pass@1_ci_low"], m["eval/pass@1_ci_high"]) == bootstrap_mean_interval([0.5, 1.0, 0.0, 0.25])
+    assert (m["eval/count/pass@1_ci_low"], m["eval/count/pass@1_ci_high"]) == bootstrap_mean_interval([0.0, 0.25])
+    assert m["eval/arith/by_difficulty/2/pass@1"] == 1.0 and "eval/count/by_difficulty/none/pass@1" not in m
+    # The same keys named after the decoding, for a report that holds greedy and sampled numbers.
+    named = decoding_keys(m, "sampled")
+    assert named["eval/sampled_pass@1"] == m["eval/pass@1"]
+    assert named["eval/arith/by_difficulty/1/sampled_pass@1_ci_high"] == m["eval/arith/by_difficulty/1/pass@1_ci_high"]
+    assert len(named) == 3 * sum(k.endswith("pass@1") for k in m) and not any("pass@4" in k for k in named)
 
 
 def test_verdict_prefers_the_sources_accuracy():
@@ -67,9 +100,10 @@ def test_rlmesh_eval_starts_services_and_reports_per_source(tiny_model_dir, tmp_
         "def reward_func(queries, prompts, labels, **kwargs):\n"
         "    return [1.0 if label == 'yes' else 0.0 for label in labels]\n")
     rows = {"a": ["yes", "no", "yes", "yes"], "b": ["no", "no"]}
-    for name, labels in rows.items():
+    for name, labels in rows.items():  # a's rows alternate difficulties 1 and 2; b's have none
         (tmp_path / f"{name}.jsonl").write_text("".join(
-            json.dumps({"prompt": f"{i}+1=", "label": label}) + "\n" for i, label in enumerate(labels)))
+            json.dumps({"prompt": f"{i}+1=", "label": label, **({"difficulty": i % 2 + 1} if name == "a" else {})})
+            + "\n" for i, label in enumerate(labels)))
     out = tmp_path / "metrics.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "protos")])}
     proc = subprocess.run(
@@ -84,6 +118,17 @@ def test_rlmesh_eval_starts_services_and_reports_per_source(tiny_model_dir, tmp_
     assert m["eval/prompts"] == 6.0 and m["eval/pass@1"] == pytest.approx(0.5) and m["eval/pass@2"] == pytest.approx(0.5)
     assert m["eval/a/pass@1"] == pytest.approx(0.75) and m["eval/b/pass@2"] == 0.0
     assert 0 < m["eval/response_length"] <= 6
+    # Sampled pass@1 with the bootstrap interval over prompts, and greedy pass@1 (a second pass, one
+    # sample per prompt) with Wilson's, overall, per source and per difficulty.
+    assert m["eval/sampled_pass@1"] == m["eval/pass@1"] and m["eval/greedy_pass@1"] == pytest.approx(0.5)
+    assert (m["eval/sampled_pass@1_ci_low"], m["eval/sampled_pass@1_ci_high"]) == \
+        pytest.approx(bootstrap_mean_interval([1, 0, 1, 1, 0, 0]))
+    assert (m["eval/greedy_pass@1_ci_low"], m["eval/greedy_pass@1_ci_high"]) == pytest.approx(wilson_interval(3, 6))
+    assert m["eval/a/by_difficulty/1/greedy_pass@1"] == 1.0 and m["eval/a/by_difficulty/2/sampled_pass@1"] == 0.5
+    assert (m["eval/a/by_difficulty/2/greedy_pass@1_ci_low"], m["eval/a/by_difficulty/2/greedy_pass@1_ci_high"]) == \
+        pytest.approx(wilson_interval(1, 2))
+    assert not any("by_difficulty" in k for k in m if k.startswith("eval/b/"))
+    assert m["eval/greedy_seconds"] > 0 and "eval.greedy.done" in proc.stderr
 
 
 def _episode(index, tokenizer, prompt, turns, reward, solved):

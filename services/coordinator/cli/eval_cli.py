@@ -2,15 +2,25 @@
 simpleRL-reason's math_eval.
 
     rlmesh eval --pretrain DIR --dataset test.jsonl --input_key prompt --label_key label --reward_func math
-    rlmesh eval ... --n_samples_per_prompt 8 --temperature 0.6          (pass@1 averaged over 8, and pass@8)
+    rlmesh eval ... --n_samples_per_prompt 8 --temperature 0.6          (pass@1 averaged over 8, and pass@8,
+                                                                          and greedy pass@1)
     rlmesh eval --rollout_addresses H:P --reward_addresses H:P --dataset ...   (services already running)
+
+Held-out pass@1 is reported for greedy decoding (eval/greedy_pass@1) and, with --temperature > 0, for
+sampling (eval/sampled_pass@1: the mean over prompts of each prompt's share of correct samples), each
+with a 95% confidence interval over prompts (..._ci_low, ..._ci_high): Wilson's score interval for
+greedy (one verdict per prompt), the percentile bootstrap over prompts (10,000 resamples, fixed seed)
+for the sampled mean (services/common/confidence.py). With --temperature > 0 the greedy numbers come
+from a second, greedy pass over the prompts (--no-greedy leaves it out). eval/pass@1 keeps its meaning:
+the pass@1 of the configured decoding, with its interval as eval/pass@1_ci_low / _ci_high.
 
 Without addresses it starts one rollout service (vLLM, or --rollout_engine hf) and one reward service
 on this machine, with the command lines a training run would give them for the same settings
 (fleet.placement), and stops them at the end. A sample counts as solved when the reward source says so
 (the math rule's `accuracy`), otherwise when its reward is at least --pass_reward. Results are
-reported overall and per data source (rows' `datasource` / `data_source` field, else the file name),
-printed as JSON and written to --output when given.
+reported overall, per data source (rows' `datasource` / `data_source` field, else the file name) and
+per difficulty (rows' `difficulty` field: eval/by_difficulty/<value>/...), printed as JSON and written
+to --output when given.
 
 The computation is the training loop's (loop.evaluate.evaluate); the Score calls go through the loop's
 scoring pool (loop.scoring_pool), which spreads them over the reward services.
@@ -34,7 +44,7 @@ from services.common.user_errors import run_command
 from services.coordinator.config import CoordinatorConfig
 from services.coordinator.fleet.launcher import spawn_service, stop_all, wait_until_ready
 from services.coordinator.fleet.placement import reward_argv, rollout_argv
-from services.coordinator.loop.evaluate import evaluate, load_eval_prompts
+from services.coordinator.loop.evaluate import decoding_keys, evaluate, load_eval_prompts
 from services.coordinator.loop.queries import QueryDecoder
 from services.coordinator.loop.rollout_pool import RolloutPool
 from services.coordinator.loop.scoring_pool import ScoringPool
@@ -62,6 +72,8 @@ class EvalConfig:
     temperature: float = opt(0.0, "sampling temperature; 0 = greedy")
     top_p: float = opt(1.0, "nucleus sampling")
     seed: int = opt(42, "sampling seed")
+    greedy: bool = opt(True, "with --temperature > 0, also decode each prompt once greedily and report "
+                       "eval/greedy_pass@1 beside the sampled eval/sampled_pass@1")
     reward_func: str = opt("", "built-in rule reward: math, exact_match or format")
     reward_pretrain: str = opt("", "local reward model folder instead of a rule")
     remote_rm_url: str = opt("", "reward server URL(s) or a Python file defining reward_func, instead of a rule")
@@ -172,10 +184,22 @@ async def run_eval(config: EvalConfig) -> dict[str, float]:
         if len(versions) != 1:
             raise RuntimeError(f"the rollout services hold different weight versions {sorted(versions)}; "
                                "evaluate one model at a time")
+        version, decoder = versions.pop(), QueryDecoder(tokenizer)
         sampling = rollout_pb2.SamplingOptions(temperature=config.temperature, top_p=config.top_p,
                                                max_tokens=config.generate_max_len, return_text=True)
-        return await evaluate(pool, pool_scorer(scoring), prompts, config.n_samples_per_prompt, sampling,
-                              versions.pop(), config.seed, config.pass_reward, decoder=QueryDecoder(tokenizer))
+        metrics = await evaluate(pool, pool_scorer(scoring), prompts, config.n_samples_per_prompt, sampling,
+                                 version, config.seed, config.pass_reward, decoder=decoder)
+        if config.temperature == 0:
+            return {**metrics, **decoding_keys(metrics, "greedy")}
+        metrics.update(decoding_keys(metrics, "sampled"))
+        if config.greedy:
+            greedy = rollout_pb2.SamplingOptions(temperature=0.0, max_tokens=config.generate_max_len, return_text=True)
+            greedy_metrics = await evaluate(pool, pool_scorer(scoring, "eval-greedy"), prompts, 1, greedy, version,
+                                            config.seed, config.pass_reward, request_name="eval.greedy",
+                                            decoder=decoder)
+            metrics.update(decoding_keys(greedy_metrics, "greedy"))
+            metrics["eval/greedy_seconds"] = greedy_metrics["eval/seconds"]
+        return metrics
     finally:
         if pool is not None:
             await pool.close()

@@ -5,9 +5,11 @@ held-out labelled prompts, like simpleRL-reason's math_eval.
 Score function (the loop's scoring pool); `evaluate_episodes()` is its form for agent runs
 (--agent_func_path), where a sample is a multi-turn episode. A sample counts as solved when the reward
 source says so (the math rule's `accuracy`), otherwise when its reward is at least `pass_reward`.
-Results are reported overall and per data source (rows' `datasource` / `data_source` field, else the
-file name). The standalone command over the same computation is `rlmesh eval`
-(services.coordinator.cli.eval_cli).
+Results are reported overall, per data source (rows' `datasource` / `data_source` field, else the
+file name) and per difficulty (rows' `difficulty` field). pass@1 comes with a 95% confidence
+interval over prompts (services/common/confidence.py): Wilson's when each prompt has one sample
+(greedy decoding), the percentile bootstrap of the per-prompt shares of correct samples otherwise.
+The standalone command over the same computation is `rlmesh eval` (services.coordinator.cli.eval_cli).
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ import time
 from collections import defaultdict
 
 from rlmesh.rollout.v1 import rollout_pb2
+from services.common.confidence import bootstrap_mean_interval, wilson_interval
 from services.common.datasets import load_prompts
 from services.common.log import get_logger, log_event
 from services.common.tensors import from_proto
 from services.coordinator.loop.data import Prompt
+from services.coordinator.loop.group_rewards import _order as level_order  # as training's reward/by_difficulty
 from services.coordinator.loop.queries import QueryDecoder
 from services.coordinator.loop.rollout_pool import RolloutPool
 from services.reward.client import ScoreBatch
@@ -50,31 +54,74 @@ class PromptResult:
     datasource: str
     correct: list[bool]
     lengths: list[int]  # response tokens per sample
+    difficulty: str = ""  # the row's difficulty field as text ("" without one)
+
+
+CONFIDENCE = 0.95
+PASS_AT_1_LABELS = ("pass@1", "pass@1_ci_low", "pass@1_ci_high")
+
+
+def pass_at_1_interval(results: list[PromptResult], confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """The confidence interval of pass@1 over prompts: Wilson's score interval when every prompt has one
+    sample (its verdicts are a binomial count), else the percentile bootstrap of the per-prompt shares
+    of correct samples (the samples of a prompt are resampled together: they are not independent)."""
+    if all(len(r.correct) == 1 for r in results):
+        return wilson_interval(sum(r.correct[0] for r in results), len(results), confidence)
+    return bootstrap_mean_interval([sum(r.correct) / len(r.correct) for r in results], confidence)
+
+
+def scopes(results: list[PromptResult]) -> dict[str, list[PromptResult]]:
+    """The groups summarize() reports, by key infix: "" (all prompts); f"{datasource}/" when there are
+    several data sources; f"by_difficulty/{value}/" (f"{datasource}/by_difficulty/{value}/" with several
+    sources) for each difficulty of a data source whose rows carry several."""
+    by_source: dict[str, list[PromptResult]] = defaultdict(list)
+    for r in results:
+        by_source[r.datasource].append(r)
+    out = {"": results}
+    for name, rows in sorted(by_source.items()):
+        source = f"{name}/" if len(by_source) > 1 else ""
+        if source:
+            out[source] = rows
+        levels: dict[str, list[PromptResult]] = defaultdict(list)
+        for r in rows:
+            levels[r.difficulty].append(r)
+        if len(levels) > 1:
+            for value in sorted(levels, key=level_order):
+                out[f"{source}by_difficulty/{value or 'none'}/"] = levels[value]
+    return out
 
 
 def summarize(results: list[PromptResult], n: int, prefix: str = "eval/") -> dict[str, float]:
-    """pass@1, pass@n, mean response length and prompt count, overall and per data source.
+    """pass@1 with its 95% interval, pass@n, mean response length and prompt count, for each of scopes().
 
-    Keys: f"{prefix}pass@1", f"{prefix}pass@{n}", f"{prefix}response_length", f"{prefix}prompts", and
-    the same under f"{prefix}{datasource}/" when there are several data sources.
+    Keys: f"{prefix}pass@1", f"{prefix}pass@1_ci_low", f"{prefix}pass@1_ci_high", f"{prefix}pass@{n}"
+    (n > 1), f"{prefix}response_length", f"{prefix}prompts"; the same under f"{prefix}{scope}" for the
+    data sources and difficulties scopes() names.
     """
-    groups: dict[str, list[PromptResult]] = defaultdict(list)
-    for r in results:
-        groups[r.datasource].append(r)
-    scopes = {"": results}
-    if len(groups) > 1:
-        scopes.update({f"{name}/": rows for name, rows in sorted(groups.items())})
     out: dict[str, float] = {}
-    for scope, rows in scopes.items():
+    for scope, rows in scopes(results).items():
         if not rows:
             continue
         key = f"{prefix}{scope}"
         out[f"{key}pass@1"] = sum(pass_at_k(len(r.correct), sum(r.correct), 1) for r in rows) / len(rows)
+        out[f"{key}pass@1_ci_low"], out[f"{key}pass@1_ci_high"] = pass_at_1_interval(rows)
         if n > 1:
             out[f"{key}pass@{n}"] = sum(pass_at_k(len(r.correct), sum(r.correct), n) for r in rows) / len(rows)
         lengths = [x for r in rows for x in r.lengths]
         out[f"{key}response_length"] = sum(lengths) / max(len(lengths), 1)
         out[f"{key}prompts"] = float(len(rows))
+    return out
+
+
+def decoding_keys(metrics: dict[str, float], decoding: str, prefix: str = "eval/") -> dict[str, float]:
+    """The pass@1 keys of summarize()'s metrics (its interval included) renamed after the decoding that
+    gave them: f"{prefix}[scope]{decoding}_pass@1" and its _ci_low / _ci_high (decoding: "greedy" or
+    "sampled"), so that one report can hold both."""
+    out = {}
+    for key, value in metrics.items():
+        scope, _, name = key.removeprefix(prefix).rpartition("/")
+        if key.startswith(prefix) and name in PASS_AT_1_LABELS:
+            out[f"{prefix}{scope + '/' if scope else ''}{decoding}_{name}"] = value
     return out
 
 
@@ -145,7 +192,7 @@ async def evaluate(pool: RolloutPool, score, prompts: list[Prompt], n: int, samp
         for task in pending:
             task.cancel()
         raise
-    results = [PromptResult(p.datasource, verdicts[p.uid], lengths[p.uid]) for p in prompts]
+    results = [PromptResult(p.datasource, verdicts[p.uid], lengths[p.uid], p.difficulty) for p in prompts]
     return _report(summarize(results, n, prefix), prefix, started, request_name, samples_per_prompt=n)
 
 
@@ -219,7 +266,7 @@ def episode_metrics(prompts: list[Prompt], n: int, outcomes: list, rewards: list
     rewards and extras: the reward and extra logs of each finished one (a model turn at least), in
     outcomes' order. A failed episode counts as unsolved, with reward 0 and no extra logs."""
     finished = [(p, o) for p, o in outcomes if _finished(o)]
-    results = {p.uid: PromptResult(p.datasource, [], []) for p in prompts}
+    results = {p.uid: PromptResult(p.datasource, [], [], p.difficulty) for p in prompts}
     for (prompt, outcome), reward, extra in zip(finished, rewards, extras):
         results[prompt.uid].correct.append(is_correct(reward, extra, pass_reward))
         results[prompt.uid].lengths.append(sum(int(e) - int(s) for s, e in outcome.result["action_ranges"]))

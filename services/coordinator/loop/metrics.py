@@ -85,7 +85,7 @@ def _export_eval(record: dict) -> None:
             continue
         datasource, _, name = key.removeprefix("eval/").rpartition("/")
         datasource = datasource or "all"
-        if name.startswith("pass@"):
+        if name.startswith("pass@") and name.removeprefix("pass@").isdigit():  # not pass@1_ci_low / _ci_high
             EVAL_PASS.labels(name.removeprefix("pass@"), datasource).set(value)
         elif name == "response_length":
             EVAL_RESPONSE_LENGTH.labels(datasource).set(value)
