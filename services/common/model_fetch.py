@@ -364,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog=f"Without --out the model goes to {cache_root()}/NAME "
                                             f"(${HOME_ENV}/models/NAME when {HOME_ENV} is set).")
     parser.add_argument("name", nargs="?", help="the model to fetch (--list shows them)")
-    parser.add_argument("--out", default="", help="folder to write the model into instead of the cache")
+    parser.add_argument("--out", default="", help="folder to write the model into; default: the cache, "
+                        "$RLMESH_HOME/models/NAME, else $XDG_CACHE_HOME/rlmesh/models/NAME (~/.cache/rlmesh/models/NAME)")
     parser.add_argument("--list", action="store_true", help="print the models that can be fetched")
     parser.add_argument("--catalogue", default=str(CATALOGUE), help="a JSON list of fetchable models to use "
                         "instead of the one shipped with rlmesh (same form)")
