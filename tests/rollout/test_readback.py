@@ -19,7 +19,8 @@ def digest_of(shares, shape) -> bytes:
     for piece, row, col in shares:
         part = Sums()
         part.add(piece, row, col, shape)
-        total.a, total.b, total.count = (total.a + part.a) % 2 ** 64, (total.b + part.b) % 2 ** 64, total.count + part.count
+        total.a, total.b = (total.a + part.a) % 2 ** 64, (total.b + part.b) % 2 ** 64
+        total.count += part.count
     assert total.count == torch.Size(shape).numel()
     return digest_bytes(total.a, total.b)
 
@@ -28,6 +29,7 @@ def digest_of(shares, shape) -> bytes:
 def test_shares_add_up_to_the_tensor_digest(dtype):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 64, generator=g).to(dtype)  # a fused qkv: q 64 rows, k 16, v 16
+    w[3, 5], w[70, 8] = -0.0, 0.0  # digested as +0.0 both
     expected = weights.tensor_digest(w)
     # Column-parallel over 2 workers, each holding its half of q, k and v.
     halves = [(w[r0 + h * n // 2: r0 + (h + 1) * n // 2], r0 + h * n // 2, 0)
@@ -82,10 +84,11 @@ def test_the_verdict_adds_workers_and_names_what_differs():
     loaded = {"model.embed_tokens.weight": [weights.tensor_digest(embed).hex(), "float32", [8, 4]],
               "model.norm.weight": [weights.tensor_digest(norm).hex(), "float32", [4]]}
     whole_norm = [weights.tensor_digest(norm).hex(), 4]
+    tied = {"lm_head.weight": "model.embed_tokens.weight"}
     workers = [report(loaded, {"model.embed_tokens.weight": half_sums(embed, 0), "model.norm.weight": whole_norm,
-                               "lm_head.weight": half_sums(embed, 0)}, tied={"lm_head.weight": "model.embed_tokens.weight"}),
+                               "lm_head.weight": half_sums(embed, 0)}, tied=tied),
                report(loaded, {"model.embed_tokens.weight": half_sums(embed, 1), "lm_head.weight": half_sums(embed, 1)},
-                      tied={"lm_head.weight": "model.embed_tokens.weight"})]
+                      tied=tied)]
     held, unverified = held_digests(workers, "engine")
     assert held == {n: d for n, (d, _, _) in loaded.items()} and unverified == {}
 
