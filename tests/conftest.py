@@ -47,8 +47,8 @@ RAY_MODULES = ("tests/chaos/test_ray_chaos.py", "tests/coordinator/test_ray_plac
                "tests/coordinator/test_ray_multinode.py")
 # Groups that take minutes go out first, so that no long one starts last (measured on 2 cores).
 LONG_GROUPS = ("ray", "crash-walk", "chaos-baseline", "quickstart", "tests/chaos/test_learner_ranks.py",
-               "tests/chaos/test_static_chaos.py", "tests/deploy/test_compose_local.py", "tests/coordinator/test_static.py",
-               "tests/rollout/test_push_logprobs.py")
+               "tests/chaos/test_static_chaos.py", "tests/deploy/test_compose_local.py",
+               "tests/coordinator/test_static.py", "tests/rollout/test_push_logprobs.py")
 
 
 def group_for_workers(config, items) -> None:
