@@ -321,8 +321,6 @@ for _name, _default in (("critic.adam.weight_decay", "0.0"), ("critic.lr_schedul
 ASYNC_RULES: dict[str, Rule] = {
     "train.colocate_all": Rename("colocate_actor_ref", lambda values: ["--colocate_actor_ref",
                                                                         "--colocate_critic_reward"]),
-    "ds.enable_sleep": Refuse("with --train.async_enable generation and training overlap, so the learner cannot "
-                              "sleep while the engines generate; drop --ds.enable_sleep"),
 }
 IS_CORRECTION = ("algo.advantage.is_correction_enable", "algo.advantage.is_correction_threshold",
                  "algo.advantage.is_correction_type")
