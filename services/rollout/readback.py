@@ -287,6 +287,10 @@ def read_back(model: torch.nn.Module, shapes: Mapping[str, Sequence[int]], tp_ra
             unverified[name] = str(exc)
             del sums[name]
             continue
+        except (AttributeError, KeyError, IndexError, TypeError) as exc:  # a layer unlike those shares() knows
+            unverified[name] = f"{type(place.module).__name__} {place.module_name}: {type(exc).__name__}: {exc}"
+            del sums[name]
+            continue
         by_module.setdefault((id(place.module), place.attr), []).extend(found)
     eyes: dict = {}  # identity blocks, shared by the layers of one input size
     with torch.no_grad(), _exact_fp32():
