@@ -138,12 +138,15 @@ def is_correct(reward: float, extra: dict[str, float], pass_reward: float) -> bo
 
 async def evaluate(pool: RolloutPool, score, prompts: list[Prompt], n: int, sampling: rollout_pb2.SamplingOptions,
                    expected_version: int, seed: int, pass_reward: float = 1.0, prefix: str = "eval/",
-                   request_name: str = "eval", decoder: QueryDecoder | None = None) -> dict[str, float]:
+                   request_name: str = "eval", decoder: QueryDecoder | None = None,
+                   results_out: list[PromptResult] | None = None) -> dict[str, float]:
     """Generates n samples per prompt on the pool's engines, scores them, returns summarize(...).
 
     score: async fn(ScoreBatch) -> an object with `rewards` (N,) and `extra` {name: (N,)} (a
     RewardClient's score, or the loop's balanced call). Samples are scored in batches as they arrive.
     decoder: makes the queries as in training (OpenRLHF's decoded sequence); None: prompt + response text.
+    results_out: when given, each prompt's PromptResult is appended to it, in the order of `prompts`
+    (a before / after comparison pairs the verdicts problem by problem).
     """
     samples: list[tuple[Prompt, rollout_pb2.GenerateResponse]] = []
     pending: list[asyncio.Task] = []
@@ -193,6 +196,8 @@ async def evaluate(pool: RolloutPool, score, prompts: list[Prompt], n: int, samp
             task.cancel()
         raise
     results = [PromptResult(p.datasource, verdicts[p.uid], lengths[p.uid], p.difficulty) for p in prompts]
+    if results_out is not None:
+        results_out.extend(results)
     return _report(summarize(results, n, prefix), prefix, started, request_name, samples_per_prompt=n)
 
 
