@@ -39,7 +39,8 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 @dataclasses.dataclass
 class QuickstartConfig:
     """Builds a tiny model, SFTs it on arithmetic, runs GRPO with the math rule reward, and reports held-out
-    accuracy before and after RL."""
+    accuracy before and after RL. `rlmesh quickstart --real` does the same with a real pretrained model
+    (SmolLM2-135M-Instruct, no SFT); `rlmesh quickstart --real --help` lists its options."""
 
     run_dir: str = opt("runs/quickstart", "output folder: data, models, metrics, plots, service logs")
     model_size: str = opt("tiny", "model from the tiny kit: tiny (~0.6M parameters) or small (~3M)",
@@ -229,6 +230,11 @@ def plot_curves(run_dir: pathlib.Path) -> list[pathlib.Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--real" in argv:  # the real pretrained model's quickstart: its own module and options
+        from services.quickstart_real import main as main_real
+
+        return main_real([a for a in argv if a != "--real"])
     config = parse_config(QuickstartConfig, argv, description=QuickstartConfig.__doc__)
     from services.common.tiny import make_tiny_model
 

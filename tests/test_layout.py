@@ -9,7 +9,7 @@
    of fleet/ or cli/; fleet/ imports of the loop only the modules in FLEET_MAY_IMPORT_OF_LOOP;
    cli/ anything; config.py only services.common.
 
-services/cli.py and services/quickstart.py are the product's top-level tools (`rlmesh ...`): they
+services/cli.py, services/quickstart.py and services/quickstart_real.py are the product's top-level tools (`rlmesh ...`): they
 drive every service, so they may import the services' entry points and their modules (rule 1 does
 not apply to them), and no service may import them.
 """
@@ -26,7 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SERVICES = ("rollout", "reward", "learner", "coordinator")
 # Of each service, the modules other services may import (its declared client API).
 CLIENT_API = {"reward": {"services.reward.client"}, "rollout": set(), "learner": set(), "coordinator": set()}
-TOOLS = {"services.cli", "services.quickstart"}
+TOOLS = {"services.cli", "services.quickstart", "services.quickstart_real"}
 COORDINATOR = "services.coordinator"
 FLEET_MAY_IMPORT_OF_LOOP = {f"{COORDINATOR}.loop.checkpoint", f"{COORDINATOR}.loop.metrics",
                             f"{COORDINATOR}.loop.run_state"}
