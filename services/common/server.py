@@ -191,11 +191,16 @@ class ServiceRunner:
         log_event(self.log, "server.stopping", grace_s=self._grace_s, exit_code=self.exit_code)
         await self._set_status(False)
         await self.server.stop(self._grace_s)
-        for callback in self.on_shutdown:
+        await self.release()
+        log_event(self.log, "server.stopped")
+
+    async def release(self) -> None:
+        """Runs the on_shutdown callbacks once (engines, worker pools), also when the server never started."""
+        callbacks, self.on_shutdown = self.on_shutdown, []
+        for callback in callbacks:
             result = callback()
             if asyncio.iscoroutine(result):
                 await result
-        log_event(self.log, "server.stopped")
 
 
 def run_service(name: str, config: ServerConfig, build: Callable[[ServiceRunner], Awaitable[None]]) -> None:
@@ -205,7 +210,13 @@ def run_service(name: str, config: ServerConfig, build: Callable[[ServiceRunner]
     async def main() -> int:
         runner = ServiceRunner(name, config)
         await build(runner)
-        await runner.start()
+        try:
+            await runner.start()
+        except BaseException:
+            # e.g. the port is taken: what build() started (a worker pool, an engine) stops here, not
+            # in the interpreter's teardown, where a pool's finaliser writes to closed pipes.
+            await runner.release()
+            raise
         await runner.wait_for_termination()
         return runner.exit_code
 
