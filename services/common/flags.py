@@ -22,6 +22,11 @@ from typing import Any
 from services.common.config import opt
 
 
+# --reward_func: the built-in rule rewards (services/reward/rules.py), and those that need a label.
+REWARD_RULES = ("math", "simplerl_math", "exact_match", "format", "countdown")
+LABELLED_REWARD_RULES = ("math", "simplerl_math", "exact_match", "countdown")
+
+
 @dataclasses.dataclass(frozen=True)
 class SharedFlag:
     """One flag's help text and check (value -> "" when good, else what is wrong and what to give)."""

@@ -87,7 +87,7 @@ class CoordinatorConfig(ServerConfig):
                              "(OpenRLHF) or compute_score (veRL); FILE.py:NAME picks another function")
     remote_rm_batch_size: int = flags.REMOTE_RM_BATCH_SIZE.field(64)
     reward_func: str = opt("", "built-in rule reward instead of a model: math, simplerl_math (simpleRL-reason's "
-                           "1 / -0.5 / -1), exact_match or format (comma separated rules add up)")
+                           "1 / -0.5 / -1), exact_match, format or countdown (comma separated rules add up)")
     normalize_reward: bool = flags.NORMALIZE_REWARD.field(False)
     reward_clip_range: list[float] = opt([-10.0, 10.0], "rewards are clipped to [low, high]")
 
@@ -427,10 +427,10 @@ class CoordinatorConfig(ServerConfig):
                                       "give a local folder in Hugging Face format")
         self._check_reward_sources()
         rules = [r.strip() for r in self.reward_func.split(",") if r.strip()]
-        if any(r not in ("math", "simplerl_math", "exact_match", "format") for r in rules):
-            raise ConfigError(f"--reward_func {self.reward_func}: use math, simplerl_math, exact_match or format "
+        if any(r not in flags.REWARD_RULES for r in rules):
+            raise ConfigError(f"--reward_func {self.reward_func}: use {', '.join(flags.REWARD_RULES)} "
                               "(several comma separated add up)")
-        if any(r in ("math", "simplerl_math", "exact_match") for r in rules) and not self.label_key:
+        if any(r in flags.LABELLED_REWARD_RULES for r in rules) and not self.label_key:
             raise ConfigError(f"--reward_func {self.reward_func} compares answers with labels; "
                               "set --label_key to the data field holding the answer")
         self.reward_model_needed = bool(self.reward_pretrain) and self.reward_service_needed

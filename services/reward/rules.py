@@ -16,6 +16,9 @@ joined by commas, whose rewards add up).
 - exact_match: the last \\boxed{...} of the response (else the whole response) equals the label
   after trimming and collapsing whitespace: 1, else 0.
 - format: the whole response matches --format_pattern: --format_reward, else 0.
+- countdown: the response's expression (last <answer>...</answer>, else last \\boxed{}) reaches the
+  label's target with each of its numbers once: 1, an expression that does not: 0.1, none: 0
+  (services/reward/countdown.py; the label is `rlmesh make-task countdown`'s JSON).
 """
 
 from __future__ import annotations
@@ -31,11 +34,12 @@ import grpc
 import numpy as np
 
 from services.common.errors import ServiceError, invalid_argument
-from services.reward import math_check
+from services.common.flags import LABELLED_REWARD_RULES, REWARD_RULES
+from services.reward import countdown, math_check
 from services.reward.source import RewardSource, ScoreBatch, SourceScores
 
-RULES = ("math", "simplerl_math", "exact_match", "format")
-LABELLED_RULES = ("math", "simplerl_math", "exact_match")
+RULES = REWARD_RULES
+LABELLED_RULES = LABELLED_REWARD_RULES
 # math-verify work per sample: two parses and a comparison, each limited to the time limit.
 _CALLS_PER_SAMPLE = 3
 _CHUNK = 16  # samples per worker task: small, so a slow sample delays few others
@@ -162,6 +166,21 @@ def exact_match(response: str, label: str) -> bool:
 # The source
 
 
+def _countdown(batch: ScoreBatch) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    rewards, metrics = [], []
+    for i, (response, label) in enumerate(zip(batch.responses, batch.labels)):
+        try:
+            reward, metric = countdown.grade(response, label, last_boxed(response))
+        except countdown.LabelError as exc:
+            raise invalid_argument(f"samples[{i}].label", batch.describe(i), f"{exc}, which the countdown rule needs",
+                                   "write the data with rlmesh make-task countdown, or give each label as "
+                                   '{"target": 24, "numbers": [4, 6, 1, 1]}') from None
+        rewards.append(reward)
+        metrics.append(metric)
+    return (np.array(rewards, dtype=np.float64),
+            {key: np.array([m[key] for m in metrics], dtype=np.float64) for key in metrics[0]} if metrics else {})
+
+
 def _discard_pool(pool) -> threading.Thread:
     """Terminates a worker pool in a daemon thread, returned so callers may wait a little.
 
@@ -239,6 +258,8 @@ class RuleRewardSource(RewardSource):
                 rewards, metrics = await self._math(batch)
             elif rule == "simplerl_math":
                 rewards, metrics = await self._simplerl_math(batch)
+            elif rule == "countdown":
+                rewards, metrics = await asyncio.to_thread(_countdown, batch)
             elif rule == "exact_match":
                 hits = await asyncio.to_thread(lambda: [exact_match(r, lab) for r, lab in zip(batch.responses, batch.labels)])
                 rewards = np.array(hits, dtype=np.float64)
