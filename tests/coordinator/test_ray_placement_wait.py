@@ -77,7 +77,11 @@ def test_a_bundle_no_node_holds_fails_within_the_placement_bound(local_ray):
         message = str(error.value)
         assert message.startswith('reward-ref-0: no node took its bundle (1 bundle(s) of {"CPU": 8.0} (8 CPU in all) '
                                   "of the actor (--actor_num_nodes 1)) within --ray_placement_timeout_s 2 s"), message
-        assert "the cluster has 1 live node(s)" in message and "--load_checkpoint" in message
+        assert "the cluster has 1 live node(s) with 0 GPU and 2 CPU in all; free now (free/total): 0/0 GPU, " \
+               "2/2 CPU; per node: " in message, message  # free beside total, in all and per node
+        # The node to add joins the address this cluster really has (not Ray's default port).
+        assert f"(`ray start --address {ray.get_runtime_context().gcs_address}`)" in message, message
+        assert "--load_checkpoint" in message, message
         assert 2.0 <= took < 10.0, took
     finally:
         remove_placement_group(group)

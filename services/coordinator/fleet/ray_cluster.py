@@ -8,6 +8,7 @@ import asyncio
 import json
 
 import ray
+import ray._private.state as ray_state  # per-node free resources (ray is pinned)
 from ray.util.placement_group import placement_group_table
 
 from services.coordinator.fleet.launcher import ServiceStartError
@@ -44,10 +45,13 @@ async def actor_node(actor, group, index: int, name: str, group_role: str, place
         unplaced_since = None if bundle_has_live_node(group, index) else (unplaced_since or now)
         if unplaced_since is not None and now - unplaced_since >= placement_timeout_s:
             call.cancel()
+            bundle = group.bundle_specs[index]
+            gpus = bundle.get("GPU", 0)
             raise NoRoom(
-                f"{name}: no node took its bundle ({describe_bundles([group.bundle_specs[index]])} of {group_role}) "
+                f"{name}: no node took its bundle ({describe_bundles([bundle])} of {group_role}) "
                 f"within --ray_placement_timeout_s {placement_timeout_s:.0f} s; {cluster_summary()}. Its node was lost "
-                "or is full: add a node (`ray start --address HEAD:6379`), then resume with --load_checkpoint")
+                f"or is full: add a node (`{join_command(f'{gpus:g}' if gpus else '')}`), then resume with "
+                "--load_checkpoint")
         if now >= give_up:
             call.cancel()
             raise ServiceStartError(
@@ -73,11 +77,24 @@ def live_node_ips() -> set[str]:
     return {n["NodeManagerAddress"] for n in live_nodes()}
 
 
+def join_command(gpus: str = "") -> str:
+    """The `ray start` a node runs to join this cluster: the GCS address the driver is connected to
+    (a cluster started on another port than Ray's default 6379 is named as it is); gpus: its
+    --num-gpus, if any."""
+    command = f"ray start --address {ray.get_runtime_context().gcs_address}"
+    return f"{command} --num-gpus {gpus}" if gpus else command
+
+
 def cluster_summary() -> str:
-    """What the cluster has: GPUs and CPUs in all, free now, and per live node."""
+    """What the cluster has: GPUs and CPUs free now beside their totals, in all and per live node."""
     total, free = ray.cluster_resources(), ray.available_resources()
     nodes = live_nodes()
-    per_node = ", ".join(f"{n['NodeManagerAddress']}: {n['Resources'].get('GPU', 0):g} GPU / "
-                         f"{n['Resources'].get('CPU', 0):g} CPU" for n in nodes)
+    free_by_node = ray_state.available_resources_per_node()  # node id -> free now; Alive nodes only
+
+    def free_of_total(free_now: dict, whole: dict) -> str:
+        return ", ".join(f"{free_now.get(k, 0):g}/{whole.get(k, 0):g} {k}" for k in ("GPU", "CPU"))
+
+    per_node = "; ".join(f"{n['NodeManagerAddress']}: {free_of_total(free_by_node.get(n['NodeID'], {}), n['Resources'])}"
+                         for n in nodes)
     return (f"the cluster has {len(nodes)} live node(s) with {total.get('GPU', 0):g} GPU and {total.get('CPU', 0):g} "
-            f"CPU in all, {free.get('GPU', 0):g} GPU and {free.get('CPU', 0):g} CPU free ({per_node})")
+            f"CPU in all; free now (free/total): {free_of_total(free, total)}; per node: {per_node}")

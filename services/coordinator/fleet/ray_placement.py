@@ -44,7 +44,7 @@ from services.coordinator.fleet.launcher import ServiceStartError
 from services.coordinator.fleet.placement import (Endpoints, ServiceSpec, learner_argv, reward_argv, role_instances,
                                             rollout_argv, scaled_spec, start_waves)
 from services.coordinator.fleet.ray_cluster import (actor_node, bundle_has_live_node, cluster_summary, describe_bundles,
-                                                  live_node_ips)
+                                                  join_command, live_node_ips)
 from services.coordinator.fleet.ray_host import FORWARDED_ENV, ServiceHost
 
 _log = get_logger("coordinator")
@@ -128,9 +128,8 @@ class RayPlacement:
             asked = "; ".join(f"{self.group_roles[key]} asks for {describe_bundles(g.bundle_specs)}"
                               for key, g in pending.items())
             raise RuntimeError(f"the Ray cluster cannot hold this job: {asked}; {cluster_summary()}; waited "
-                               f"--ray_placement_timeout_s {timeout:.0f} s. Add nodes (`ray start --address HEAD:6379 "
-                               "--num-gpus N`), lower the *_num_nodes / *_num_gpus_per_node / --vllm_num_engines "
-                               "flags, or colocate roles") from None
+                               f"--ray_placement_timeout_s {timeout:.0f} s. Add nodes (`{join_command('N')}`), lower the "
+                               "*_num_nodes / *_num_gpus_per_node / --vllm_num_engines flags, or colocate roles") from None
 
     # ---- what goes where ----
     def _plan(self) -> list[Placed]:
