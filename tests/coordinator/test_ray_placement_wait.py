@@ -81,7 +81,7 @@ def test_a_bundle_no_node_holds_fails_within_the_placement_bound(local_ray):
                "2/2 CPU; per node: " in message, message  # free beside total, in all and per node
         # The node to add joins the address this cluster really has (not Ray's default port).
         assert f"(`ray start --address {ray.get_runtime_context().gcs_address}`)" in message, message
-        assert "--load_checkpoint" in message, message
+        assert "more restarts cannot help" in message and "--load_checkpoint" in message, message
         assert 2.0 <= took < 10.0, took
     finally:
         remove_placement_group(group)

@@ -48,10 +48,12 @@ async def actor_node(actor, group, index: int, name: str, group_role: str, place
             bundle = group.bundle_specs[index]
             gpus = bundle.get("GPU", 0)
             raise NoRoom(
-                f"{name}: no node took its bundle ({describe_bundles([bundle])} of {group_role}) "
-                f"within --ray_placement_timeout_s {placement_timeout_s:.0f} s; {cluster_summary()}. Its node was lost "
-                f"or is full: add a node (`{join_command(f'{gpus:g}' if gpus else '')}`), then resume with "
-                "--load_checkpoint")
+                f"{name}: no node took its bundle ({describe_bundles([bundle])} of {group_role}) within "
+                f"--ray_placement_timeout_s {placement_timeout_s:.0f} s; {cluster_summary()}. Its node was lost or the "
+                "cluster is full, so more restarts cannot help (--max_restarts does not matter): a node with "
+                f"room for the bundle must join (`{join_command(f'{gpus:g}' if gpus else '')}`). "
+                "One that joins within --ray_placement_timeout_s takes the bundle and the run goes on (raise the "
+                "bound to wait longer); once the run stopped, add it and resume with --load_checkpoint")
         if now >= give_up:
             call.cancel()
             raise ServiceStartError(

@@ -152,13 +152,16 @@ class Supervisor:
             self._restarts[instance.name] = asyncio.ensure_future(self._restart(instance))
 
     # ---- restarting ----
-    async def _give_up(self, instance: Instance, why: str) -> None:
+    async def _give_up(self, instance: Instance, why: str,
+                       fix: str = "Fix the cause and rerun with --load_checkpoint, or raise --max_restarts.") -> None:
+        """Stops the run (the first instance to give up names it). `fix`: what the user can do; a
+        restart that failed for want of room says so in `why` (more restarts would not help)."""
         # Off the event loop: asking a placement for the log may wait on a remote actor (Ray), and
         # the loop meanwhile serves the other instances' restarts and stops the run.
         tail = await asyncio.to_thread(self.placement.log_tail, instance.name)
         if self.fatal is None:  # the first to give up stops the run and names it; the others are events
-            self.fatal = ServiceFailed(f"{instance.name} ({', '.join(instance.roles)}) {why}; the run stops. Fix the "
-                                       f"cause and rerun with --load_checkpoint, or raise --max_restarts. {tail}")
+            self.fatal = ServiceFailed(" ".join(part for part in (
+                f"{instance.name} ({', '.join(instance.roles)}) {why}; the run stops.", fix, tail) if part))
         self.event("service.failed", service=instance.name, how=instance.last_death, restarts=instance.restarts,
                    why=why)
 
@@ -179,7 +182,7 @@ class Supervisor:
                     address = await self.placement.restart(instance.name)
                 except NoRoom as exc:
                     instance.state, instance.last_death = DEAD, f"restart failed: {exc}"
-                    await self._give_up(instance, f"could not be restarted: {exc}")
+                    await self._give_up(instance, f"could not be restarted: {exc}", fix="")
                     break
                 except Exception as exc:  # noqa: BLE001 - a failed start uses a restart of the budget, then retries
                     instance.last_death = f"restart failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
