@@ -18,6 +18,7 @@ The same option given in both forms is an error naming both.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable
 
@@ -75,13 +76,23 @@ def _flash_attn(values: list[str]) -> list[str]:
                       "flash_attention_3 (--flash_attn), sdpa or eager")
 
 
-def _whole_number(flat: str) -> Callable[[list[str]], list[str]]:
+def _token_count(name: str, values: list[str]) -> int:
+    """One whole number of tokens (`4096`, or `4096.0`: OpenRLHF reads some counts as floats); else a
+    ConfigError naming the option."""
+    try:
+        number = float(values[0]) if len(values) == 1 else math.nan
+    except ValueError:
+        number = math.nan
+    if not number.is_integer():  # also nan and inf
+        raise ConfigError(f"--{name} {' '.join(values)}".rstrip() + ": expected one whole number of tokens, e.g. "
+                          "2048")
+    return int(number)
+
+
+def _whole_number(flat: str, name: str) -> Callable[[list[str]], list[str]]:
     """OpenRLHF reads some token counts as floats (`--reward.overlong_buffer_len 4096.0`)."""
     def convert(values: list[str]) -> list[str]:
-        number = _numbers(flat, values)[0] if len(values) == 1 else None
-        if number is None or not number.is_integer():
-            raise ConfigError(f"--{flat}: expected a whole number of tokens, got {' '.join(values)}")
-        return [f"--{flat}", str(int(number))]
+        return [f"--{flat}", str(_token_count(name, values))]
     return convert
 
 
@@ -269,7 +280,8 @@ NAMES: dict[str, Rule | tuple[Rule, ...]] = {
                                     "trains from the first step", default=("-1",)),
     "reward.normalize_enable": Rename("normalize_reward"),
     "reward.clip_range": Rename("reward_clip_range"),
-    "reward.overlong_buffer_len": Rename("overlong_buffer_len", _whole_number("overlong_buffer_len")),
+    "reward.overlong_buffer_len": Rename("overlong_buffer_len", _whole_number("overlong_buffer_len",
+                                                                         "reward.overlong_buffer_len")),
     "reward.overlong_penalty_factor": Rename("overlong_penalty_factor"),
     "reward.stop_properly_penalty_coef": Rename("stop_properly_penalty_coef"),
     "model.loss_type": Rename("loss"),
@@ -350,21 +362,14 @@ def split_options(argv: list[str]) -> list[tuple[str, list[str]]]:
     return out
 
 
-def _numbers(name: str, values: list[str]) -> list[float]:
-    try:
-        return [float(v) for v in values]
-    except ValueError:
-        raise ConfigError(f"--{name} {' '.join(values)}: expected numbers") from None
-
-
 def _lengths(given: dict[str, list[str]]) -> list[str]:
     """OpenRLHF 0.11 bounds prompt + response by --data.max_len and the response by --rollout.max_new_tokens
     (when absent, by what the prompt leaves); rlmesh bounds prompts and responses separately."""
-    max_len = given.get("data.max_len")
-    new_tokens = given.get("rollout.max_new_tokens")
-    total = int(_numbers("data.max_len", max_len)[0]) if max_len else OPENRLHF_MAX_LEN
-    if new_tokens:
-        response = int(_numbers("rollout.max_new_tokens", new_tokens)[0])
+    total = _token_count("data.max_len", given["data.max_len"]) if "data.max_len" in given else OPENRLHF_MAX_LEN
+    if total < 2:
+        raise ConfigError(f"--data.max_len {total} must be >= 2 (a prompt token and a response token), e.g. 2048")
+    if "rollout.max_new_tokens" in given:
+        response = _token_count("rollout.max_new_tokens", given["rollout.max_new_tokens"])
         if not 0 < response < total:
             raise ConfigError(f"--rollout.max_new_tokens {response} must be in [1, --data.max_len {total}): the "
                               "prompt gets the rest of --data.max_len")
@@ -377,22 +382,49 @@ def _lengths(given: dict[str, list[str]]) -> list[str]:
     return ["--prompt_max_len", str(total // 2), "--generate_max_len", str(response)]
 
 
-def _is_correction(given: dict[str, list[str]]) -> list[str]:
+def _is_correction(given: dict[str, list[str]], typed: dict[str, str]) -> list[str]:
     """OpenRLHF's vLLM importance-sampling correction as rlmesh's --use_tis --tis_low --tis_cap --tis_type,
-    with OpenRLHF's defaults (band [0.5, 5], type tis). A single threshold is OpenRLHF 0.8's cap (no low bound)."""
-    name = "algo.advantage.is_correction_threshold"
-    if "algo.advantage.is_correction_enable" not in given:
+    with OpenRLHF's defaults (band [0.5, 5], type tis). A single threshold is OpenRLHF 0.8's cap (no low bound).
+    Every malformed value is a ConfigError naming the option as typed (`typed`: 0.11 name -> the 0.9 name
+    given instead), the values given and what to give."""
+    from services.common.is_correction import IS_CORRECTION_TYPES  # torch: only for a config that has --use_tis
+
+    enable, name, type_name = (typed.get(n, n) for n in IS_CORRECTION)
+    given = {typed.get(n, n): v for n, v in given.items()}
+    if enable not in given:
+        unused = [f"--{n}" for n in (name, type_name) if n in given]
+        if unused:
+            warnings.warn(f"{' and '.join(unused)} without --{enable}: no importance-sampling correction (as in "
+                          f"OpenRLHF); add --{enable} to apply it", stacklevel=3)
         return []
-    kind = (given.get("algo.advantage.is_correction_type") or ["tis"])
-    band = _numbers(name, given.get(name) or list(OPENRLHF_IS_BAND))
+    if given[enable]:
+        raise ConfigError(f"--{enable} {' '.join(given[enable])}: it is a switch and takes no value; give "
+                          f"--{enable} alone")
+    kind = given.get(type_name, ["tis"])
+    if len(kind) != 1 or kind[0] not in IS_CORRECTION_TYPES:
+        shown = f"--{type_name} {' '.join(kind)}".rstrip()
+        raise ConfigError(f"{shown}: give one of {', '.join(IS_CORRECTION_TYPES)} (tis: "
+                          "weights clamped into the band; icepop: weights outside it set to 0; seq-mask-tis: "
+                          "sequences outside it dropped)")
+    values = given.get(name, list(OPENRLHF_IS_BAND))
+    shown = f"--{name} {' '.join(values)}".rstrip()
+    fix = "give LOW HIGH with 0 <= LOW <= 1 <= HIGH, e.g. OpenRLHF's default 0.5 5 (or one value: a cap HIGH >= 1)"
+    if len(values) not in (1, 2):
+        raise ConfigError(f"{shown}: expected LOW HIGH (2 numbers), got {len(values)} value(s); {fix}")
+    try:
+        band = [float(v) for v in values]
+    except ValueError:
+        raise ConfigError(f"{shown}: not numbers; {fix}") from None
+    if not all(math.isfinite(v) for v in band):
+        raise ConfigError(f"{shown}: the bounds must be finite numbers; {fix}")
     if len(band) == 1:
+        if band[0] < 1:
+            raise ConfigError(f"{shown}: a single value is the cap from above (OpenRLHF 0.8's threshold) and must "
+                              f"be >= 1, so that on-policy tokens (weight 1) keep their weight; {fix}")
         band = [0.0, band[0]]
-    if len(kind) != 1 or len(band) != 2:
-        raise ConfigError(f"--{name} LOW HIGH and --algo.advantage.is_correction_type TYPE: got "
-                          f"{' '.join(given.get(name, []))!r} and {' '.join(kind)!r}")
     if not 0 <= band[0] <= 1 <= band[1]:
-        raise ConfigError(f"--{name} {band[0]:g} {band[1]:g}: the band of importance weights must hold 1 (an "
-                          "on-policy token), LOW in [0, 1] and HIGH >= 1; e.g. OpenRLHF's default 0.5 5")
+        raise ConfigError(f"{shown}: the band of importance weights must hold 1 (an on-policy token), LOW in "
+                          f"[0, 1] and HIGH >= 1; {fix}")
     return ["--use_tis", "--tis_low", f"{band[0]:g}", "--tis_cap", f"{band[1]:g}", "--tis_type", kind[0]]
 
 
@@ -420,7 +452,9 @@ def translate_argv(cls, argv: list[str]) -> list[str]:
     fields = {f.name for f in dataclasses.fields(cls)}
     unsupported = getattr(cls, "UNSUPPORTED_FLAGS", {})
     options = split_options(argv)
+    typed: dict[str, str] = {}  # OpenRLHF 0.11's importance-sampling option -> its 0.9 name, where that was given
     if "use_tis" in fields:
+        typed = {IS_CORRECTION_FLAT[n]: n for n, _ in options if n in IS_CORRECTION_FLAT}
         options = _dotted_is_correction(options)
     joint = {n: v for n, v in options
              if (n in IS_CORRECTION and "use_tis" in fields) or (n in LENGTHS and "max_len" not in fields)}
@@ -467,7 +501,7 @@ def translate_argv(cls, argv: list[str]) -> list[str]:
         else:
             emit(key, [f"--{'no-' if negated else ''}{rule.flat}", *values])
     if joint.keys() & set(IS_CORRECTION):
-        emit("algo.advantage.is_correction_enable", _is_correction(joint))
+        emit("algo.advantage.is_correction_enable", _is_correction(joint, typed))
     if joint.keys() & set(LENGTHS):
         emit("data.max_len", _lengths(joint))
     given_flat = {n.removeprefix("no-") for n, _ in options if n and not is_namespaced(n)}

@@ -15,7 +15,7 @@ import torch
 
 from rlmesh.learner.v1 import learner_pb2
 from rlmesh.rollout.v1 import rollout_pb2
-from services.common.config import ConfigError, build_parser, config_from_args
+from services.common.config import ConfigError, build_parser, config_from_args, parse_config
 from services.common.openrlhf_names import translate_argv
 from services.coordinator.config import CoordinatorConfig
 from services.coordinator.fleet.placement import learner_argv
@@ -63,8 +63,60 @@ def test_is_correction_options_with_openrlhf_defaults_and_names(base):
                          (("--use_tis", "--tis_low", "1.5"), "--tis_low 1.5 must be in [0, 1]")]:
         with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
             build(CoordinatorConfig, [*base, *extra])
-    with pytest.raises(SystemExit):  # not a type OpenRLHF has
+    with pytest.raises(ConfigError, match="is_correction_type sequence: give one of tis, icepop, seq-mask-tis"):
         build(CoordinatorConfig, [*base, enable, "--algo.advantage.is_correction_type", "sequence"])
+
+
+@pytest.mark.parametrize("given, words", [
+    (["--algo.advantage.is_correction_threshold", "0.5"], "a single value is the cap from above"),
+    (["--algo.advantage.is_correction_threshold"], "expected LOW HIGH (2 numbers), got 0 value(s)"),
+    (["--algo.advantage.is_correction_threshold", "0.5", "5", "7"], "expected LOW HIGH (2 numbers), got 3"),
+    (["--algo.advantage.is_correction_threshold", "low", "high"], "not numbers"),
+    (["--algo.advantage.is_correction_threshold", "0.5", "inf"], "must be finite numbers"),
+    (["--algo.advantage.is_correction_threshold", "nan"], "must be finite numbers"),
+    (["--algo.advantage.is_correction_threshold", "5", "0.5"], "the band of importance weights must hold 1"),
+    (["--algo.advantage.is_correction_type"], "is_correction_type: give one of tis, icepop, seq-mask-tis"),
+    (["--algo.advantage.is_correction_type", "tis", "icepop"], "give one of tis, icepop, seq-mask-tis"),
+])
+def test_a_malformed_is_correction_value_is_one_config_line_naming_the_flag(base, given, words, capsys):
+    """Each is refused before anything starts with one line: the option as typed, its values and the fix."""
+    with pytest.raises(SystemExit) as exit_:
+        parse_config(CoordinatorConfig, [*base, "--algo.advantage.is_correction_enable", *given])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"config error: {' '.join(given)}") and err.count("\n") == 1, err
+    assert words in err and "Traceback" not in err
+    fix = "give LOW HIGH with 0 <= LOW <= 1 <= HIGH, e.g. OpenRLHF's default 0.5 5"
+    assert fix in err or "is_correction_type" in given[0]
+
+
+@pytest.mark.parametrize("given, named", [
+    (["--data.max_len", "inf"], "--data.max_len inf"),
+    (["--data.max_len", "2048", "--rollout.max_new_tokens", "nan"], "--rollout.max_new_tokens nan"),
+    (["--data.max_len"], "--data.max_len"),
+    (["--reward.overlong_buffer_len", "12.5"], "--reward.overlong_buffer_len 12.5"),
+    (["--rollout.max_new_tokens", "1", "2"], "--rollout.max_new_tokens 1 2"),
+])
+def test_a_malformed_token_count_is_one_config_line_naming_the_flag(base, given, named, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_config(CoordinatorConfig, [*base, *given])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"config error: {named}: expected one whole number of tokens, e.g. 2048"), err
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_is_correction_single_values_and_the_flat_names_in_messages(base):
+    enable = "--algo.advantage.is_correction_enable"
+    # One value: a cap from above (OpenRLHF 0.8), no lower bound; 1 is the smallest that keeps on-policy tokens.
+    assert correction(base, enable, "--algo.advantage.is_correction_threshold", "1") == (True, 0.0, 1.0, "tis")
+    assert correction(base, enable, "--algo.advantage.is_correction_threshold", "1", "1") == (True, 1.0, 1.0, "tis")
+    with pytest.raises(ConfigError, match=r"^--enable_vllm_is_correction yes: it is a switch"):
+        build(CoordinatorConfig, [*base, "--enable_vllm_is_correction", "yes"])
+    with pytest.raises(ConfigError, match=r"^--vllm_is_truncated_threshold 0.9: a single value"):
+        build(CoordinatorConfig, [*base, "--enable_vllm_is_correction", "--vllm_is_truncated_threshold", "0.9"])
+    with pytest.warns(UserWarning, match="without --algo.advantage.is_correction_enable: no importance-sampling"):
+        assert correction(base, "--algo.advantage.is_correction_threshold", "0.5", "5")[0] is False
 
 
 @pytest.mark.filterwarnings("ignore")
