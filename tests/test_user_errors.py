@@ -14,6 +14,7 @@ import pytest
 
 from services.common.config import ConfigError
 from services.common.datasets import DatasetError
+from services.common.security import TOKEN_ENV, TOKEN_FILE_ENV
 from services.common.user_errors import DEBUG_ENV, ServiceUnreachable, run_command
 from tests.conftest import get_free_port
 
@@ -22,7 +23,8 @@ EMPTY_FILE = "no usable rows: the file is empty"
 
 
 def start(argv: list[str], debug: bool = False) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != DEBUG_ENV}
+    # No shared token from the environment: a service on a non-loopback address must then refuse to start.
+    env = {k: v for k, v in os.environ.items() if k not in (DEBUG_ENV, TOKEN_ENV, TOKEN_FILE_ENV)}
     env.update(GRPC_VERBOSITY="ERROR", **({DEBUG_ENV: "1"} if debug else {}))
     return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -102,15 +104,46 @@ def test_offline_trainer_empty_data_file(tiny_model_dir, tmp_path):
     assert code == 2 and "Traceback (most recent call last)" in err and EMPTY_FILE in err, err
 
 
-def test_rlmesh_serve_reward_on_a_port_in_use():
+def test_rlmesh_serve_reward_and_learner_on_a_port_in_use(tiny_model_dir):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         argv = ["-m", "services.cli", "serve", "reward", "--reward_func", "math", "--port", str(port),
                 "--metrics_port", "-1"]
+        # The learner finds the port taken after its model is up: the same line and exit code.
+        learner = start(["-m", "services.learner", "--pretrain", str(tiny_model_dir), "--port", str(port),
+                         "--metrics_port", "-1"])
         plain, debug = start(argv), start(argv, debug=True)
         (code, err), (debug_code, debug_err) = finish(plain), finish(debug)
+        learner_code, learner_err = finish(learner)
     assert code == 2 and f"config error: could not bind 127.0.0.1:{port}" in err and "Choose another --port" in err, err
     assert "Traceback" not in err, err
     assert debug_code == 2 and "Traceback (most recent call last)" in debug_err, debug_err
+    assert learner_code == 2 and "Traceback" not in learner_err, learner_err
+    last = learner_err.rstrip().splitlines()[-1]  # the last line is the error, no stray exit code after it
+    assert last.startswith(f"config error: could not bind 127.0.0.1:{port}"), learner_err
+
+
+def test_every_service_refuses_an_open_address_without_a_token_alike(tiny_model_dir):
+    """--host 0.0.0.0 without a token: the same one line and exit 2 from the learner (started by hand
+    either way) as from the other services, before anything heavy starts (no store, no ranks)."""
+    open_host = ["--host", "0.0.0.0", "--port", "0", "--metrics_port", "-1"]
+    commands = {
+        "learner": ["-m", "services.learner", "--pretrain", str(tiny_model_dir), *open_host],
+        "serve learner": ["-m", "services.cli", "serve", "learner", "--pretrain", str(tiny_model_dir), *open_host],
+        "reward": ["-m", "services.cli", "serve", "reward", "--reward_func", "math", *open_host],
+    }
+    procs = {name: start(argv) for name, argv in commands.items()}
+    debug = start(commands["learner"], debug=True)
+    results = {name: finish(proc) for name, proc in procs.items()}
+    for name, (code, err) in results.items():
+        service = name.split()[-1]
+        assert code == 2, (name, code, err)
+        # One line, nothing after it (the learner used to add a stray "2" and exit 1).
+        assert err.splitlines() == [err.strip()] and err.startswith(
+            f"config error: the {service} service would serve --host 0.0.0.0 without a token"), (name, err)
+        assert "--auth_token_file" in err and "--allow_unauthenticated" in err, (name, err)
+    debug_code, debug_err = finish(debug)
+    assert debug_code == 2 and "Traceback (most recent call last)" in debug_err, debug_err
+    assert debug_err.rstrip().endswith(results["learner"][1].rstrip()), debug_err

@@ -14,6 +14,7 @@ import sys
 
 from services.common.config import ConfigError, parse_config
 from services.common.log import get_logger, log_event
+from services.common.security import check_exposure, resolve_token
 from services.common.server import exit_now, run_service
 from services.common.user_errors import run_command
 from services.learner.config import LearnerConfig
@@ -42,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    if spec.rank == 0:
+        # Rank 0 serves gRPC: an address open to others without a token is refused here, as every
+        # service refuses it (ConfigError, one line, exit 2), before the store and the other ranks start.
+        check_exposure("learner", config.host, resolve_token(config.auth_token, config.auth_token_file),
+                       bool(config.tls_client_ca), bool(config.allow_unauthenticated))
     rank = LearnerRank(config, spec)
     if spec.rank != 0:
         # Ctrl-C reaches every process of the terminal; only rank 0 decides when the ranks stop.
@@ -69,8 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_service("learner", config, build)
     except SystemExit as exc:
-        print(exc, file=sys.stderr)
-        code = 1
+        if isinstance(exc.code, int):
+            code = exc.code  # run_service reported it already (a user error: exit 2)
+        else:
+            print(exc, file=sys.stderr)  # build()'s "learner failed to start: ..."
+            code = 1
     if driver.broken is not None:
         code = 3
     return code
