@@ -18,7 +18,7 @@ import warnings
 from services.common.config_error import ConfigError
 
 # Values tried for an OpenRLHF option, in order: the first the translation takes names its flags.
-OPENRLHF_VALUES = ([], ["1"], ["bf16"], ["flash_attention_2"], ["0", "1"], ["tis"])
+OPENRLHF_VALUES = ([], ["1"], ["bf16"], ["flash_attention_2"], ["0", "1"], ["tis"], ["2048"])
 
 
 @dataclasses.dataclass
