@@ -17,6 +17,7 @@ import re
 import pytest
 
 from scripts.docgen.doc_commands import pages
+from services.common.user_errors import run_command
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGES = [p.relative_to(ROOT).as_posix() for p in pages()]
@@ -60,3 +61,29 @@ def test_readme_and_site_show_commands_that_reach_the_parsers(docgen):
     parsed = {page: r["parsed"] for page, r in docgen["commands"].items() if page in PAGES}
     assert parsed["README.md"] >= 1
     assert sum(parsed.values()) >= 50, parsed
+
+
+# What an evaluation command's placeholders stand for, on the tiny model and data: option -> fixture path.
+EVAL_VALUES = {"--pretrain": "model", "--dataset": "data", "--input_key": "prompt", "--label_key": "label"}
+
+
+def test_the_pages_eval_commands_validate(tiny_model_dir, tiny_data_dir, capsys):
+    """Parsing alone takes --n_samples_per_prompt 4 without a temperature; validation does not (n greedy
+    samples are one answer n times). Each `rlmesh eval` command of the pages, its model and data put on
+    the tiny ones, is checked in full with --dry_run: flags together, data, reward source."""
+    from scripts.docgen.doc_commands import commands_of
+    from services.coordinator.cli import eval_cli
+
+    local = {"model": str(tiny_model_dir), "data": str(tiny_data_dir / "arith_test.jsonl")}
+    commands = [c for page in pages() for c in commands_of(page)[0] if c.tokens[:2] == ["rlmesh", "eval"]]
+    assert len(commands) >= 2, [c.text for c in commands]
+    for command in commands:
+        argv = list(command.tokens[2:])
+        for i, token in enumerate(argv[:-1]):
+            if token in EVAL_VALUES:
+                argv[i + 1] = local.get(EVAL_VALUES[token], EVAL_VALUES[token])
+        if "--input_key" not in argv:  # the tiny data's field names
+            argv += ["--input_key", "prompt", "--label_key", "label"]
+        assert run_command(eval_cli.main, [*argv, "--dry_run"]) == 0, (command.file, command.line,
+                                                                      capsys.readouterr().err)
+        assert "dry run (eval): nothing was started" in capsys.readouterr().out
