@@ -65,8 +65,9 @@ class CoordinatorState:
     run_dir: str = ""
     config_digest: str = ""
     config_values: dict = dataclasses.field(default_factory=dict)
-    # The step's metrics as they stood when it was saved: a rerun whose metrics.jsonl lacks the step
-    # (the coordinator died between the save and the log line) logs them from here.
+    # The step's metrics as they stood when it was saved: a rerun in the same run folder whose
+    # metrics.jsonl lacks the step (the coordinator died between the save and the log line) logs them
+    # from here; a run resumed into another folder does not (the step did not run there).
     step_record: dict = dataclasses.field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 

@@ -7,6 +7,7 @@ fleet's recovery calls `rewind`)."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 from rlmesh.common.v1 import common_pb2
@@ -25,6 +26,11 @@ def export_request(cfg, output_dir: str, critic: bool = False) -> learner_pb2.Ex
     """ExportHF of the actor (or the critic) into output_dir in --export_dtype (auto: the learner's
     rule, services/learner/export_dtype.py)."""
     return learner_pb2.ExportHFRequest(output_dir=output_dir, critic=critic, dtype=_EXPORT_DTYPES[cfg.export_dtype])
+
+
+def same_folder(a: str, b: str) -> bool:
+    """Whether two run folders, as given, are one (a relative one is taken from the current folder)."""
+    return bool(a) and bool(b) and os.path.realpath(a) == os.path.realpath(b)
 
 
 class RunCheckpoints:
@@ -70,6 +76,10 @@ class RunCheckpoints:
         cfg = self.config
         reply = await self.learner.LoadCheckpoint(learner_pb2.LoadCheckpointRequest(
             ckpt_path=cfg.ckpt_path, global_step=saved.global_step), timeout=cfg.rpc_timeout_s)
+        if not same_folder(saved.run_dir, self.state.run_dir):
+            # A resume into another run folder: its metrics.jsonl records only the steps that run
+            # there, not the checkpoint's step (its record stays with the folder where it ran).
+            saved.step_record = {}
         saved.run_dir = self.state.run_dir
         self.state = saved
         self.stream.restore(saved.episode, saved.data_position)
