@@ -43,6 +43,7 @@ from services.learner.logprob_head import forward_micro_batch
 from services.learner.lora import save_adapter
 from services.learner.profiling import CallProfiler
 from services.learner.spmd import CANCEL, RankSpec, join_process_group
+from services.learner.token_values import token_values
 from services.learner.weight_push import Chunk, WeightSender
 
 log = get_logger("learner")
@@ -181,8 +182,13 @@ class LearnerRank:
 
     def _critic_values(self, mb: MicroBatch) -> torch.Tensor:
         """(B, R) float32 values at the response positions."""
-        logits = forward_micro_batch(self.critic, mb).logits  # (rows, T, 1)
-        return logits[:, :-1, 0].reshape(-1)[mb.out_index].float()
+        return self._critic_values_and_aux(mb, want_aux=False)[0]
+
+    def _critic_values_and_aux(self, mb: MicroBatch, want_aux: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, R) float32 values at the response positions, and the MoE router loss of the same forward
+        when asked (else None)."""
+        values, aux = token_values(self.critic, mb, want_aux)  # (rows, T)
+        return values[:, :-1].reshape(-1)[mb.out_index].float(), aux
 
     def actor_outputs(self, mb: MicroBatch, temperature: float, want_entropy: bool, want_aux: bool = False,
                       measure_entropy: bool = False):
@@ -323,14 +329,19 @@ class LearnerRank:
 
     def train_critic(self, payload: dict) -> dict:
         level, value_clip = payload["level"], payload["value_clip"]
+        aux_coef = payload.get("aux_loss_coef", 0.0)
 
         def micro_loss(mb: MicroBatch, step: StepPlan):
             normalizer = step.tokens if level == "token" else step.sequences
             mask = mb.action_mask
-            values = self._critic_values(mb)
+            values, aux = self._critic_values_and_aux(mb, want_aux=aux_coef > 0)
             old_values = mb.fields.get("old_values", values.detach())
             loss = rl_math.value_loss(values, old_values, mb.fields["returns"], mask, value_clip, level, normalizer)
             stats = {"value_loss": loss, "tokens": mask.sum(), "values": rl_math.masked_sum(values.detach(), mask)}
+            if aux is not None:  # as the actor's: each micro-batch's share of the mean over the step's micro-batches
+                share = aux.float() / (len(step.micro_batches) * self.spec.world_size)
+                loss = loss + aux_coef * share
+                stats["aux_loss"] = share.detach()
             if value_clip is not None:
                 moved = (values.detach() - old_values).abs() > value_clip
                 stats["value_clip_ratio"] = rl_math.masked_sum(moved.float(), mask)

@@ -21,7 +21,7 @@ from services.common.hold_points import hold
 from services.common.log import get_logger, log_event
 from services.common.tensors import ragged_to_proto
 from services.common import ownership
-from services.learner import checkpoint, universal
+from services.learner import checkpoint, moe_aux, universal
 from services.learner.batches import (
     decode_experience,
     decode_sequences,
@@ -348,10 +348,12 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             value_clip = _finite("value_clip", request.value_clip, 0.0) if request.HasField("value_clip") else 0.5
             value_clip = value_clip or None
             level = _level("loss_aggregation", request.loss_aggregation)
+            aux_coef = self._critic_aux_loss_coef(request.aux_loss_coef)
             required = ["returns"] + (["old_values"] if value_clip is not None else [])
             samples = decode_experience(request.batch, required, self.rank0.vocab_size, self.rank0.max_len)
             plans = self._plan(samples, _epochs(request.max_epochs), request.shuffle_seed)
-            payloads = [{"steps": p, "level": level, "value_clip": value_clip} for p in plans]
+            payloads = [{"steps": p, "level": level, "value_clip": value_clip, "aux_loss_coef": aux_coef}
+                        for p in plans]
             async with self._weights_lock:
                 results = await self._run("train_critic", payloads)
             c = self._combine(results, "critic")
@@ -361,11 +363,20 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                 value_loss=totals.get("value_loss", 0.0) / kept, values_mean=totals.get("values", 0.0) / tokens,
                 value_clip_ratio=totals.get("value_clip_ratio", 0.0) / tokens, grad_norm=c["grad_norm"],
                 learning_rate=c["lr"], optimizer_steps=c["kept"], skipped_steps=c["steps"] - c["kept"],
-                tokens=int(c["tokens"]), critic_global_step=c["global_step"], duration_s=timer.elapsed)
+                tokens=int(c["tokens"]), critic_global_step=c["global_step"], duration_s=timer.elapsed,
+                aux_loss=totals.get("aux_loss", 0.0) / kept)
             VALUE_LOSS.set(response.value_loss)
             log_event(log, "train.critic", request.request_id, samples=len(samples), steps=c["steps"],
                       value_loss=f"{response.value_loss:.6g}", seconds=f"{timer.elapsed:.2f}")
             return response
+
+    def _critic_aux_loss_coef(self, coef: float) -> float:
+        """TrainCriticRequest.aux_loss_coef, checked: a router loss needs a mixture-of-experts critic."""
+        coef = _finite("aux_loss_coef", coef, 0.0)
+        if coef > 0 and not hasattr(moe_aux.transformers_model(self.rank0.critic).config, "output_router_logits"):
+            raise invalid_argument("aux_loss_coef", None, f"{coef:g}: the critic ({self.config.critic_pretrain}) is "
+                                   "not a mixture-of-experts model, so it has no router loss", "send 0")
+        return coef
 
     # ------------------------------------------------------------------------------------------
     # Weight push

@@ -26,7 +26,6 @@ from services.common.config import ConfigError, opt, parse_config
 from services.common.datasets import load_preferences
 from services.common.user_errors import run_command
 from services.learner.deepspeed_setup import load_pretrained
-from services.learner.logprob_head import forward_micro_batch
 from services.learner.lora import is_peft_model
 from services.learner.offline import (
     OfflineConfig,
@@ -38,6 +37,7 @@ from services.learner.offline import (
     save_hf_model,
     sequences_batch,
 )
+from services.learner.token_values import token_values
 
 STATS_ROWS = 1024  # pairs per rank scored for the saved mean/std when there is no evaluation data
 
@@ -56,10 +56,6 @@ class RMConfig(OfflineConfig, PreferenceKeys):
         super().validate()
         if self.margin_loss and not self.margin_key:
             raise ConfigError("--margin_loss needs --margin_key (the field holding each pair's margin)")
-        if self.aux_loss_coef > 0:
-            raise ConfigError(f"--aux_loss_coef {self.aux_loss_coef}: the reward-model trainer does not add the MoE "
-                              "router's load-balancing loss (its score head returns no router logits); drop it, or "
-                              "train a MoE model with it in SFT / DPO")
 
 
 def sequence_classification_architecture(token_classification: str) -> str:
@@ -89,17 +85,19 @@ class RMTrainer(OfflineTrainer):
         return load_pretrained(self.config.pretrain, self.config, ds_config, kind="critic",
                                adapter=self.config.lora)
 
-    def scores(self, engine, rows: list) -> tuple[torch.Tensor, torch.Tensor]:
+    def scores(self, engine, rows: list, want_aux: bool = False) -> tuple:
         """(chosen (B,), rejected (B,)) scores in one forward pass over the 2B sequences (padded
-        rows, or with --packing_samples all of them in one row)."""
+        rows, or with --packing_samples all of them in one row), and that forward's MoE router loss
+        when want_aux (else None)."""
         mb = sequences_batch([r.chosen_ids for r in rows] + [r.rejected_ids for r in rows],
                              self.tokenizer.pad_token_id, self.config.packing_samples).to(engine.device)
-        values = forward_micro_batch(engine, mb).logits.squeeze(-1).float()  # (rows, T)
-        scores = last_token_outputs(values, mb)  # (2B,)
-        return scores[: len(rows)], scores[len(rows):]
+        values, aux = token_values(engine, mb, want_aux)  # (rows, T)
+        scores = last_token_outputs(values.float(), mb)  # (2B,)
+        return scores[: len(rows)], scores[len(rows):], aux
 
     def micro_batch(self, engine, rows: list, train: bool) -> tuple:
-        chosen, rejected = self.scores(engine, rows)
+        coef = self.config.aux_loss_coef
+        chosen, rejected, aux = self.scores(engine, rows, want_aux=coef > 0)
         margin = None
         if self.config.margin_loss:
             margin = torch.tensor([r.margin for r in rows], dtype=chosen.dtype, device=chosen.device)
@@ -111,7 +109,12 @@ class RMTrainer(OfflineTrainer):
                           "chosen_reward": (float(c.sum()), n), "rejected_reward": (float(r.sum()), n),
                           "score_mean": (float(both.sum()), 2 * n),
                           "score_mean_square": (float((both ** 2).sum()), 2 * n)}
-        return losses.mean(), ratios
+        if aux is None:
+            return losses.mean(), ratios
+        # As OpenRLHF: the pairwise loss plus coef x the router loss of the forward over both sequences;
+        # "loss" stays the pairwise one.
+        ratios["aux_loss"] = (float(aux.detach()), 1.0)
+        return losses.mean() + coef * aux, ratios
 
     def save(self, engine, tokenizer, path, rank: int) -> None:
         # Mean and std of the scores, for --normalize_reward in RL (sums over ranks, so every

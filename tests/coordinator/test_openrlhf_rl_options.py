@@ -22,7 +22,7 @@ from services.coordinator.fleet.placement import learner_argv
 from services.coordinator.loop.advantages import stop_properly_penalty
 from services.coordinator.loop.data import Prompt
 from services.coordinator.loop.experience import Sample
-from services.coordinator.loop.learn import actor_loss, training_batch
+from services.coordinator.loop.learn import actor_loss, critic_aux_loss_coef, training_batch
 from services.learner.train_sft import SFTConfig
 
 
@@ -132,6 +132,13 @@ def test_the_learner_gets_the_band_type_and_router_coefficient(base, tiny_moe_mo
     with pytest.raises(ConfigError, match="not a mixture-of-experts model"):
         build(CoordinatorConfig, [*base, "--actor.aux_loss_coef", "0.001"])
     assert build(CoordinatorConfig, [*base, "--actor.aux_loss_coef", "0"]).aux_loss_coef == 0.0
+    # OpenRLHF adds the actor's coefficient to the critic's loss too: a MoE critic (here initialised from
+    # the actor) gets it; a dense one has no router loss and gets 0, said once.
+    gae = [*moe, "--algo.advantage.estimator", "gae", "--actor.aux_loss_coef", "0.001"]
+    assert critic_aux_loss_coef(build(CoordinatorConfig, gae)) == pytest.approx(0.001)
+    dense_critic = build(CoordinatorConfig, [*gae, "--critic.model_name_or_path", base[1]])
+    with pytest.warns(UserWarning, match="is not a mixture-of-experts model, so only the actor's loss gets"):
+        assert critic_aux_loss_coef(dense_critic) == 0.0
 
 
 def test_stop_properly_penalty_hand_computed():

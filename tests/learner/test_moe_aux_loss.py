@@ -5,13 +5,17 @@ Mixtral (4 experts, 2 per token) built here.
 The reference is the Switch-Transformer balancing loss written out from its definition: over the
 non-padding tokens of every layer, f[k, e] = share of tokens whose k-th choice is expert e, P[e] =
 mean router probability of e, loss = E x sum over k, e of f[k, e] x P[e]. It is checked against the
-model's own aux_loss, then against what the SFT and DPO micro-batches, the RL learner's log-prob
-heads, a real SFT run (LoRA, packed, as OpenRLHF's Mixtral script) and the learner service add."""
+model's own aux_loss, then against what the SFT, DPO and reward-model micro-batches, the RL learner's
+log-prob heads and critic values, a real SFT run (LoRA, packed, as OpenRLHF's Mixtral script) and the
+learner service (actor and critic) add."""
 
 from __future__ import annotations
 
 import json
 import sys
+import types
+
+import grpc
 
 import pytest
 import torch
@@ -19,11 +23,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlmesh.learner.v1 import learner_pb2 as pb
 from services.common.config import parse_config
+from services.common.tensors import ragged_from_proto
 from services.learner.batches import Sample, collate
 from services.learner.logprob_head import response_outputs
 from services.learner.moe_aux import ROUTER_KWARGS, router_aux_loss
+from services.learner.server import LearnerServicer
+from services.learner.token_values import token_values
 from services.learner.train_dpo import DPOConfig, DPOTrainer
+from services.learner.train_rm import RMConfig, RMTrainer
 from services.learner.train_sft import SFTConfig, SFTTrainer
+from services.common.errors import ServiceError
 from tests.learner.learner_helpers import experience, logprobs, random_sequences, response_lengths, start_learner
 from tests.learner.test_offline_trainers import read_metrics, run_trainer
 
@@ -122,6 +131,53 @@ def test_sft_and_dpo_micro_batches_add_coef_times_the_router_loss(tiny_moe_model
     assert float(dpo - dpo0) == pytest.approx(0.5 * ratios["aux_loss"][0], rel=1e-4) and ratios["aux_loss"][0] > 0
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_critic_and_reward_model_values_come_with_the_router_loss(tiny_moe_model_dir, moe, packed):
+    """A token-classification MoE model (the critic's and the reward model's kind): the same values with
+    and without the router loss, and the loss is the backbone's balancing loss."""
+    from transformers import AutoModelForTokenClassification
+
+    model = AutoModelForTokenClassification.from_pretrained(tiny_moe_model_dir, num_labels=1, dtype=torch.float32)
+    model.eval()
+    ids, mask = padded_pair()
+    mb = collate([Sample(ids[i, :int(mask[i].sum())], 3, {}) for i in range(2)], packed=packed)
+    with torch.no_grad():
+        plain, none = token_values(model, mb)
+        values, aux = token_values(model, mb, want_aux=True)
+    assert none is None and torch.equal(plain, values) and values.shape == mb.input_ids.shape
+    assert float(aux) == pytest.approx(reference(moe, mb.input_ids, mb.attention_mask,
+                                                 mb.position_ids if packed else None), rel=1e-5)
+
+
+def test_the_reward_model_micro_batch_adds_coef_times_the_router_loss(tiny_moe_model_dir, moe, tmp_path):
+    """OpenRLHF's train_rm: the pairwise loss plus coef x the router loss of the one forward over the
+    chosen and rejected sequences together; the scores themselves do not change."""
+    prefs_file = tmp_path / "prefs.jsonl"
+    prefs_file.write_text("".join(json.dumps({"prompt": p, "chosen": c, "rejected": r}) + "\n" for p, c, r in
+                                  (("3+4=", "7", "8"), ("12+30=", "42", "The answer is 40"), ("7-2=", "5", "no"))))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_moe_model_dir)
+
+    def step(coef: float):
+        trainer = RMTrainer(parse_config(RMConfig, ["--pretrain", str(tiny_moe_model_dir), "--dataset",
+                                                    str(prefs_file), "--aux_loss_coef", str(coef)]))
+        trainer.tokenizer = tokenizer
+        model, _ = trainer.load_model({})  # the same seed: the same new head `score`
+        rows = trainer.load_rows(tokenizer, str(prefs_file), "")
+        return trainer.micro_batch(model.eval(), rows, train=True), rows
+
+    (loss0, ratios0), rows = step(0.0)
+    (loss, ratios), _ = step(0.5)
+    sequences = [r.chosen_ids for r in rows] + [r.rejected_ids for r in rows]
+    ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(x) for x in sequences], batch_first=True,
+                                          padding_value=tokenizer.pad_token_id)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(x), dtype=torch.long) for x in sequences],
+                                           batch_first=True)
+    expected = reference(moe, ids, mask)
+    assert float(loss - loss0) == pytest.approx(0.5 * expected, rel=1e-4)
+    assert ratios["aux_loss"] == pytest.approx((expected, 1.0), rel=1e-5) and "aux_loss" not in ratios0
+    assert ratios["loss"] == pytest.approx(ratios0["loss"]) and ratios["acc"] == ratios0["acc"]
+
+
 def test_the_mixtral_lora_sft_script_trains_with_the_router_loss(tiny_moe_model_dir, tiny_data_dir, tmp_path):
     """OpenRLHF's train_sft_mixtral_lora.sh options at tiny sizes, run as a real process."""
     out = tmp_path / "sft"
@@ -140,7 +196,8 @@ def test_the_learner_adds_the_router_loss_to_the_actor_loss(tiny_moe_model_dir, 
     term has no gradient, so only the router loss moves the weights: not at all with coefficient 0."""
     learner = start_learner(tmp_path, "--pretrain", str(tiny_moe_model_dir), "--num_gpus", "1", "--zero_stage", "2",
                             "--train_batch_size", "2", "--micro_train_batch_size", "1", "--actor_learning_rate",
-                            "1e-2", "--metrics_port", "0", "--logprobs_head", "fused")
+                            "1e-2", "--critic_pretrain", str(tiny_moe_model_dir), "--critic_learning_rate", "1e-2",
+                            "--metrics_port", "0", "--logprobs_head", "fused")
     try:
         seqs, starts = random_sequences(2, moe.config.vocab_size, seed=5)
         zero = [torch.zeros(n) for n in response_lengths(seqs, starts)]
@@ -160,5 +217,40 @@ def test_the_learner_adds_the_router_loss_to_the_actor_loss(tiny_moe_model_dir, 
         assert r.aux_loss == pytest.approx(expected, rel=1e-4) and r.optimizer_steps == 1
         moved = logprobs(learner.stub, seqs, starts)
         assert not all(torch.equal(a, b) for a, b in zip(before, moved))
+
+        # The critic (OpenRLHF adds the actor's coefficient to its loss too): old values far from the values
+        # put every token on the clipped side of the value loss, which has no gradient there, so again
+        # only the router loss moves the weights.
+        def values() -> list[torch.Tensor]:
+            request = pb.ValuesRequest(input_ids=experience(seqs, starts).input_ids,
+                                       response_start=experience(seqs, starts).response_start)
+            return ragged_from_proto(learner.stub.Values(request, timeout=120).values)
+
+        def train_critic(coef: float) -> pb.TrainCriticResponse:
+            now = values()
+            batch = experience(seqs, starts, returns=now, old_values=[v + 100.0 for v in now])
+            return learner.stub.TrainCritic(pb.TrainCriticRequest(batch=batch, value_clip=0.5, aux_loss_coef=coef),
+                                            timeout=300)
+
+        before = values()
+        assert train_critic(0.0).aux_loss == 0.0
+        assert all(torch.equal(a, b) for a, b in zip(before, values()))
+        r = train_critic(1.0)
+        # The critic's backbone is the checkpoint's, untouched by the actor's steps: the same router loss.
+        assert r.aux_loss == pytest.approx(expected, rel=1e-4) and r.optimizer_steps == 1
+        assert not all(torch.equal(a, b) for a, b in zip(before, values()))
     finally:
         learner.stop()
+
+
+def test_the_learner_refuses_a_router_coefficient_for_a_dense_critic(tiny_model_dir, moe):
+    dense = types.SimpleNamespace(module=types.SimpleNamespace(config=types.SimpleNamespace()))
+    servicer = types.SimpleNamespace(rank0=types.SimpleNamespace(critic=dense),
+                                     config=types.SimpleNamespace(critic_pretrain=str(tiny_model_dir)))
+    with pytest.raises(ServiceError) as err:
+        LearnerServicer._critic_aux_loss_coef(servicer, 0.5)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "aux_loss_coef: 0.5: the critic" in str(err.value) and "not a mixture-of-experts model" in str(err.value)
+    assert LearnerServicer._critic_aux_loss_coef(servicer, 0.0) == 0.0
+    servicer.rank0.critic = types.SimpleNamespace(module=moe)
+    assert LearnerServicer._critic_aux_loss_coef(servicer, 0.5) == 0.5

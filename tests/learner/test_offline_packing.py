@@ -104,8 +104,8 @@ def test_rm_packed_scores_and_loss_equal_padded(tiny_model_dir, prefs_file, atte
     rows = trainers[0].load_rows(trainers[0].tokenizer, str(prefs_file), "")
     model, _ = trainers[0].load_model({})
     with torch.no_grad():
-        chosen, rejected = trainers[0].scores(model, rows)
-        chosen_packed, rejected_packed = trainers[1].scores(model, rows)
+        chosen, rejected, _ = trainers[0].scores(model, rows)
+        chosen_packed, rejected_packed, _ = trainers[1].scores(model, rows)
         # Reference: each sequence scored alone, without padding.
         alone = [float(model(torch.tensor([ids])).logits[0, -1, 0])
                  for ids in [r.chosen_ids for r in rows] + [r.rejected_ids for r in rows]]

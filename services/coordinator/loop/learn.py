@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
+import pathlib
+import warnings
 
 import torch
 
@@ -101,6 +104,31 @@ def actor_loss(cfg, kl_coef: float, kl_in_loss: bool) -> learner_pb2.ActorLoss:
         aux_loss_coef=cfg.aux_loss_coef)
 
 
+def critic_aux_loss_coef(cfg) -> float:
+    """The critic's share of --aux_loss_coef. OpenRLHF adds the actor's coefficient times the router loss
+    to its critic's loss too; a critic that is not a mixture-of-experts model (a dense reward model
+    under a MoE actor) has no router loss, so it gets 0, with a warning. A folder that is not on this
+    machine (a Ray cluster's) gets the coefficient: its learner refuses it for a dense critic."""
+    path = cfg.critic_pretrain or cfg.reward_pretrain or cfg.pretrain
+    if cfg.aux_loss_coef <= 0 or not pathlib.Path(path, "config.json").is_file() or _is_moe(path):
+        return cfg.aux_loss_coef
+    if path not in _DENSE_CRITICS_TOLD:
+        _DENSE_CRITICS_TOLD.add(path)
+        warnings.warn(f"--aux_loss_coef {cfg.aux_loss_coef:g}: the critic's model {path} is not a mixture-of-experts "
+                      "model, so only the actor's loss gets the router loss", stacklevel=2)
+    return 0.0
+
+
+_DENSE_CRITICS_TOLD: set[str] = set()
+
+
+@functools.cache
+def _is_moe(path: str) -> bool:
+    from services.common.moe_check import is_moe_model
+
+    return is_moe_model(path)
+
+
 async def train(learner, cfg, step: int, batch: dict, kl_coef: float, use_ref: bool, use_critic: bool) -> dict:
     """TrainActor (and TrainCritic) on the step's batch; returns their metrics."""
     level, _ = cfg.loss_levels()
@@ -110,11 +138,12 @@ async def train(learner, cfg, step: int, batch: dict, kl_coef: float, use_ref: b
     calls = [learner.TrainActor(learner_pb2.TrainActorRequest(
         batch=experience(cfg, batch, actor=True, with_ref=kl_in_loss and kl_coef > 0), loss=loss,
         max_epochs=cfg.max_epochs, shuffle_seed=seed, request_id=f"step{step}"), timeout=cfg.rpc_timeout_s)]
+    critic_coef = critic_aux_loss_coef(cfg) if use_critic else 0.0
     if use_critic:
         calls.append(learner.TrainCritic(learner_pb2.TrainCriticRequest(
             batch=experience(cfg, batch, actor=False, with_ref=False), value_clip=cfg.value_clip,
             max_epochs=cfg.max_epochs, loss_aggregation=LOSS_LEVELS[level], shuffle_seed=seed,
-            request_id=f"step{step}"), timeout=cfg.rpc_timeout_s))
+            request_id=f"step{step}", aux_loss_coef=critic_coef), timeout=cfg.rpc_timeout_s))
     replies = await gather_or_cancel(calls)
     actor = replies[0]
     out = {"actor/policy_loss": actor.policy_loss, "actor/kl_loss": actor.kl_loss,
@@ -134,4 +163,6 @@ async def train(learner, cfg, step: int, batch: dict, kl_coef: float, use_ref: b
         out.update({"critic/value_loss": critic.value_loss, "critic/values_mean": critic.values_mean,
                     "critic/value_clip_ratio": critic.value_clip_ratio, "critic/grad_norm": critic.grad_norm,
                     "critic/lr": critic.learning_rate})
+        if critic_coef > 0:
+            out["critic/aux_loss"] = critic.aux_loss
     return out

@@ -236,23 +236,25 @@ class TrainActorResponse(_message.Message):
     def __init__(self, policy_loss: _Optional[float] = ..., kl_loss: _Optional[float] = ..., entropy: _Optional[float] = ..., clip_ratio: _Optional[float] = ..., ppo_kl: _Optional[float] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., optimizer_steps: _Optional[int] = ..., skipped_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., actor_global_step: _Optional[int] = ..., duration_s: _Optional[float] = ..., tis_weight_mean: _Optional[float] = ..., rollout_kl: _Optional[float] = ..., aux_loss: _Optional[float] = ...) -> None: ...
 
 class TrainCriticRequest(_message.Message):
-    __slots__ = ("batch", "value_clip", "loss_aggregation", "max_epochs", "shuffle_seed", "request_id")
+    __slots__ = ("batch", "value_clip", "loss_aggregation", "max_epochs", "shuffle_seed", "request_id", "aux_loss_coef")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     VALUE_CLIP_FIELD_NUMBER: _ClassVar[int]
     LOSS_AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     MAX_EPOCHS_FIELD_NUMBER: _ClassVar[int]
     SHUFFLE_SEED_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    AUX_LOSS_COEF_FIELD_NUMBER: _ClassVar[int]
     batch: ExperienceBatch
     value_clip: float
     loss_aggregation: LossAggregation
     max_epochs: int
     shuffle_seed: int
     request_id: str
-    def __init__(self, batch: _Optional[_Union[ExperienceBatch, _Mapping]] = ..., value_clip: _Optional[float] = ..., loss_aggregation: _Optional[_Union[LossAggregation, str]] = ..., max_epochs: _Optional[int] = ..., shuffle_seed: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    aux_loss_coef: float
+    def __init__(self, batch: _Optional[_Union[ExperienceBatch, _Mapping]] = ..., value_clip: _Optional[float] = ..., loss_aggregation: _Optional[_Union[LossAggregation, str]] = ..., max_epochs: _Optional[int] = ..., shuffle_seed: _Optional[int] = ..., request_id: _Optional[str] = ..., aux_loss_coef: _Optional[float] = ...) -> None: ...
 
 class TrainCriticResponse(_message.Message):
-    __slots__ = ("value_loss", "values_mean", "value_clip_ratio", "grad_norm", "learning_rate", "optimizer_steps", "skipped_steps", "tokens", "critic_global_step", "duration_s")
+    __slots__ = ("value_loss", "values_mean", "value_clip_ratio", "grad_norm", "learning_rate", "optimizer_steps", "skipped_steps", "tokens", "critic_global_step", "duration_s", "aux_loss")
     VALUE_LOSS_FIELD_NUMBER: _ClassVar[int]
     VALUES_MEAN_FIELD_NUMBER: _ClassVar[int]
     VALUE_CLIP_RATIO_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +265,7 @@ class TrainCriticResponse(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CRITIC_GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    AUX_LOSS_FIELD_NUMBER: _ClassVar[int]
     value_loss: float
     values_mean: float
     value_clip_ratio: float
@@ -273,7 +276,8 @@ class TrainCriticResponse(_message.Message):
     tokens: int
     critic_global_step: int
     duration_s: float
-    def __init__(self, value_loss: _Optional[float] = ..., values_mean: _Optional[float] = ..., value_clip_ratio: _Optional[float] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., optimizer_steps: _Optional[int] = ..., skipped_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., critic_global_step: _Optional[int] = ..., duration_s: _Optional[float] = ...) -> None: ...
+    aux_loss: float
+    def __init__(self, value_loss: _Optional[float] = ..., values_mean: _Optional[float] = ..., value_clip_ratio: _Optional[float] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., optimizer_steps: _Optional[int] = ..., skipped_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., critic_global_step: _Optional[int] = ..., duration_s: _Optional[float] = ..., aux_loss: _Optional[float] = ...) -> None: ...
 
 class InitWeightTransferRequest(_message.Message):
     __slots__ = ("backend", "master_address", "master_port", "world_size", "group_name", "timeout_s")
