@@ -5,6 +5,7 @@ parse_config (services/common/config.py) asks here about every option its parser
 - an option of OpenRLHF (its flat names of 0.9 / 0.10, or 0.11's own flat ones such as --optim and
   --use_ms) that rlmesh does not have gets a sentence saying so and what to use instead
   (OPENRLHF_ONLY; given with OpenRLHF's default value, which is what rlmesh does, it is only noted);
+  one that another rlmesh command has gets that command;
 - any other option gets the nearest known one (difflib), e.g. --actor_num_node -> --actor_num_nodes.
 
 OpenRLHF 0.11's namespaced options (--ds.zero_stage, ...) are services/common/openrlhf_names.py's.
@@ -24,6 +25,7 @@ class Missing:
     (OpenRLHF's default value, what rlmesh does anyway) it is noted and dropped."""
     advice: str
     default: tuple[str, ...] | None = None
+    elsewhere: bool = False  # rlmesh has it, in another command (the advice names it)
 
 
 _DS_FILE = "set {key} in a DeepSpeed config file given with --deepspeed FILE (laid over rlmesh's config)"
@@ -78,7 +80,9 @@ OPENRLHF_ONLY: dict[str, Missing] = {
                             "over bf16 / fp32 base weights"),
     "value_head_prefix": Missing("rlmesh's reward models and critics are transformers sequence-classification "
                                  "models whose head is `score`", default=("score",)),
-    "aux_loss_coef": Missing("the MoE load-balancing loss is not added", default=("0",)),
+    "aux_loss_coef": Missing("the MoE router's load-balancing loss is a training option: `rlmesh train "
+                             "--aux_loss_coef X` (the coordinator sends it with each training call) or `rlmesh "
+                             "sft|rm|dpo --aux_loss_coef X`", default=("0",), elsewhere=True),
     "compute_fp32_loss": Missing("the pairwise loss is always computed in float32; drop it", default=()),
     "pretrain_mode": Missing("SFT's loss covers the response tokens; for a loss over every token put the whole "
                              "text in --output_key with an empty --input_key field"),
@@ -99,10 +103,11 @@ OPENRLHF_ONLY: dict[str, Missing] = {
     "dataset_split": Missing(_SPLIT, default=("train",)),
     "train_split": Missing(_SPLIT, default=("train",)),
     "eval_split": Missing(_SPLIT, default=("train",)),
-    "rollout_max_tokens_per_gpu": Missing("log-prob passes hold --micro_rollout_batch_size samples each: size that "
-                                          "instead"),
-    "stop_properly_penalty_coef": Missing("a reward penalty for truncated responses is not supported; "
-                                          "--overlong_buffer_len N penalises responses by length"),
+    "rollout_max_tokens_per_gpu": Missing("an RL option: `rlmesh train --rollout_max_tokens_per_gpu N` (the "
+                                          "coordinator passes it on to the learner)", elsewhere=True),
+    "stop_properly_penalty_coef": Missing("an RL reward option: `rlmesh train --stop_properly_penalty_coef X` (the "
+                                          "coordinator applies it to the rewards of truncated responses)",
+                                          elsewhere=True),
     "save_hf_ckpt": Missing("the offline trainers write the model in Hugging Face format to --save_path at the end "
                             "and with every --save_steps checkpoint", default=()),
     "disable_ds_ckpt": Missing("the offline trainers write DeepSpeed checkpoints only with --save_steps N: leave "
@@ -130,7 +135,9 @@ def explain(name: str, values: list[str], known: list[str]) -> tuple[str, bool]:
     missing = OPENRLHF_ONLY.get(name.removeprefix("no-"))
     if missing is not None:
         harmless = missing.default is not None and tuple(values) == missing.default
-        return f"--{name} is an option of OpenRLHF that rlmesh does not have: {missing.advice}", not harmless
+        what = ("not an option of this command" if missing.elsewhere
+                else "an option of OpenRLHF that rlmesh does not have")
+        return f"--{name} is {what}: {missing.advice}", not harmless
     guess = nearest(name, known)
     hint = f"; did you mean --{guess}?" if guess else ""
     return f"--{name} is not an option of this command{hint} (--help lists them)", True

@@ -46,6 +46,9 @@ def test_openrlhf_options_rlmesh_lacks_say_what_to_use(capsys):
     err = errors_of(SFTConfig, ["--optim", "adam", "--use_ms"], capsys)
     assert "note: --optim is an option of OpenRLHF" in err and "note: --use_ms is an option of OpenRLHF" in err
     assert "--pretrain" in err
+    # An option another rlmesh command has names that command.
+    err = errors_of(SFTConfig, ["--stop_properly_penalty_coef", "0.1"], capsys)
+    assert "--stop_properly_penalty_coef is not an option of this command: an RL reward option: `rlmesh train" in err
     # A flag rlmesh has takes precedence over the table.
     assert not set(OPENRLHF_ONLY) & {"actor_num_nodes", "bf16", "flash_attn", "zero_stage"}
 
