@@ -46,15 +46,17 @@ class RealQuickstartConfig:
     model_dir: str = opt("", "a local Hugging Face model folder with a chat template to train instead of "
                          "fetching --model (e.g. one from rlmesh make-tiny-model --arch llama --tied)")
     task: str = opt("arith", "the task rlmesh make-task writes", choices=["arith"])
-    task_args: list[str] = opt([], "more options for rlmesh make-task (its --help lists them)")
+    task_args: list[str] = opt(["--levels=1,2"], "options for rlmesh make-task (its --help lists them); the "
+                               "default keeps the two easier levels, where a 135M model finds correct answers "
+                               "to learn from")
     heldout_problems: int = opt(500, "held-out problems evaluated (the first ones of the held-out split)")
     grpo_steps: int = opt(20, "GRPO steps (each: rollout_batch_size prompts x n_samples_per_prompt samples)")
     rollout_batch_size: int = opt(8, "prompts per GRPO step")
     n_samples_per_prompt: int = opt(8, "samples per prompt; their rewards are normalised within the group")
     micro_train_batch_size: int = opt(16, "samples per forward/backward pass of the learner")
     actor_learning_rate: float = opt(2e-5, "GRPO learning rate (constant)")
-    init_kl_coef: float = opt(0.001, "weight of the k3 KL-to-reference loss")
-    temperature: float = opt(1.0, "GRPO sampling temperature")
+    init_kl_coef: float = opt(0.0, "weight of the k3 KL-to-reference loss; 0 = no reference model is run")
+    temperature: float = opt(0.7, "GRPO sampling temperature (at 1.0 a 135M model's samples are mostly noise)")
     generate_max_len: int = opt(32, "most tokens per response, in training and in the evaluations")
     eval_steps: int = opt(5, "held-out accuracy every N steps (and before the first, after the last)")
     bf16: str = opt("auto", "bfloat16 learner and reference: auto = where the CPU has bf16 units (or on a GPU)",
@@ -141,7 +143,8 @@ def grpo_argv(config: RealQuickstartConfig, model: pathlib.Path, data: dict, run
             "--prompt_max_len", "256", "--generate_max_len", str(config.generate_max_len),
             "--temperature", str(config.temperature), "--actor_learning_rate", str(config.actor_learning_rate),
             "--lr_scheduler", "constant_with_warmup", "--lr_warmup_ratio", "0",
-            "--init_kl_coef", str(config.init_kl_coef), "--use_kl_loss", "--kl_estimator", "k3",
+            "--init_kl_coef", str(config.init_kl_coef), *(["--use_kl_loss"] if config.init_kl_coef > 0 else []),
+            "--kl_estimator", "k3",
             "--zero_stage", "2", "--device", config.device, "--seed", str(config.seed),
             "--eval_dataset", str(data["test"]), "--eval_steps", str(config.eval_steps),
             "--eval_max_samples", str(config.heldout_problems),
