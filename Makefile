@@ -7,7 +7,7 @@ setup:
 quickstart: setup
 	.venv/bin/python -m services.cli quickstart
 
-# A real pretrained model (SmolLM2-135M-Instruct, fetched once) learns arithmetic by GRPO: ~10 min on 2 cores.
+# A real pretrained model (SmolLM2-135M-Instruct, fetched once) learns arithmetic by GRPO: ~12 min on 2 cores.
 quickstart-real: setup
 	.venv/bin/python -m services.cli quickstart --real
 
