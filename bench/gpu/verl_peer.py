@@ -6,7 +6,7 @@ its GRPO examples) and vLLM in its hybrid engine on the same GPU (rollout mode a
 0.9.1 has: an in-process vLLM AsyncLLM server per replica). Its prompts are a parquet file converted
 from vs_peers.py's prompts.jsonl; its reward is a custom_reward_function file with the same rule.
 
-Settings that differ from the other frameworks (for the README):
+Settings that differ from the other frameworks (for the benchmark pages, docs/benchmarks/method.md):
   - Attention: sdpa and no sample packing (actor_rollout_ref.model.use_remove_padding=False), padded
     micro-batches like OpenRLHF. veRL's default is flash_attention_2 with padding removal, which needs
     the flash-attn package (no wheel for the GPU machine's torch 2.11); rlmesh packs samples.

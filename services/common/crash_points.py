@@ -24,7 +24,7 @@ import os
 import pathlib
 import signal
 
-# Every point, with what a kill there leaves behind and how the run gets over it (README, "Resilience").
+# Every point, with what a kill there leaves behind and how the run gets over it (docs/guides/resilience.md, "Named crash points").
 POINTS: dict[str, str] = {
     # The learner's half of a checkpoint (rank 0 writes the files of its own; every rank its shards).
     "learner.checkpoint.folder_created": "global_step_N/ exists and is empty; the restarted learner adopts it",

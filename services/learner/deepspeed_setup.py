@@ -224,7 +224,7 @@ def deepspeed_config(options: DeepSpeedOptions, world_size: int) -> dict:
         "stage": options.zero_stage,
         # Also with one rank: the reduction's per-parameter copies then run on a stream of their own,
         # beside the backward's kernels (turned off there, job A's train phase was not faster: an
-        # H200 A/B in the README's benchmarks, "One LogProbs call per step; a profile ...").
+        # H200 A/B on docs/benchmarks/2026-12-03-logprobs-call.md).
         "overlap_comm": torch.cuda.is_available(),
         "contiguous_gradients": True,
         "reduce_bucket_size": 5e8,

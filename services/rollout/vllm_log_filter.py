@@ -14,8 +14,11 @@ loose pattern. Dropped:
 
 Never dropped: the same message for any other layer. `ParallelLMHead: Failed to load weights`,
 `VocabParallelEmbedding: ...`, a linear or a norm layer mean that a real weight of the pushed model
-did not arrive (e.g. the output head of a model with tied embeddings), and the engine keeps
-generating with the old one.
+did not arrive, and the engine would keep generating with the old one. For a model with tied
+embeddings the reload reports the output head this way; the rollout service then rebuilds the head
+from the pushed embeddings (services/rollout/readback.py), and the push check reads a checksum back
+from the engine's parameters, head included, so a head that stayed stale fails the push. The line is
+kept all the same: the filter cannot tell the repaired case from another layer's failure.
 
 install() adds the filter to those loggers in this process; vLLM's engine-core process (and a
 worker inside it) forked from the rollout service inherit it, which is how the service runs vLLM on
