@@ -41,7 +41,7 @@ def pytest_collection_modifyitems(config, items):
 # Session fixtures that start processes or train: every test that uses one runs on the worker that
 # built it (scripts/test.sh runs the suite on parallel workers, pytest-xdist's --dist loadgroup).
 SHARED_FIXTURES = {"quickstart_run": "quickstart", "baseline": "chaos-baseline", "walk_baseline": "crash-walk",
-                   "vllm_rollout": "rollout-services", "hf_rollout": "rollout-services"}
+                   "vllm_rollout": "rollout-services", "hf_rollout": "rollout-services", "docgen": "docs"}
 # Modules that start Ray (a local instance or a cluster of loopback nodes): one at a time, on one worker.
 RAY_MODULES = ("tests/chaos/test_ray_chaos.py", "tests/coordinator/test_ray_placement_wait.py",
                "tests/coordinator/test_ray_multinode.py")
