@@ -4,7 +4,7 @@ Every framework gets the same learning problem, written out explicitly where its
 GRPO (rewards minus the group mean over the group's std), no KL and no reference model, no entropy
 term, PPO clip 0.2 with one policy update per step (so the ratio starts at 1), token-level loss, AdamW
 with betas (0.9, 0.95), no weight decay, gradient norm clipped at 1.0, constant learning rate without
-warm-up, sampling at temperature 1.0 with top-p 1.0, bf16 compute with fp32 master weights, no
+warm-up, sampling at temperature 0.7 with top-p 1.0, bf16 compute with fp32 master weights, no
 gradient checkpointing (a 135M model fits), the chat template of the model's tokenizer, seed 42.
 Each framework saves the model in Hugging Face format every `eval_every` steps (the evaluator reads
 those): rlmesh --save_steps --save_hf_ckpt (with its DeepSpeed checkpoint, which rlmesh writes with
@@ -43,7 +43,8 @@ class Settings:
     samples_per_prompt: int = 8
     max_new_tokens: int = 256
     prompt_max_len: int = 128            # the chat-templated prompt's tokens; a longer prompt stops the build
-    learning_rate: float = 5e-6
+    learning_rate: float = 1e-5
+    temperature: float = 0.7             # sampling in training (at 1.0 SmolLM2-135M's samples are mostly noise)
     micro_batch: int = 32                # samples per forward/backward where a framework counts samples
     micro_batch_tokens: int = 16384      # tokens per pass where a framework counts tokens (rlmesh, veRL)
     gpu_memory_utilization: float = 0.4  # vLLM's share of the GPU, every framework (rlmesh: all its engines)
@@ -78,7 +79,7 @@ def rlmesh_command(s: Settings, inputs: Inputs, work: pathlib.Path, scratch: pat
             "--train_batch_size", str(s.samples_per_step), "--micro_train_batch_size", str(s.micro_batch),
             "--max_epochs", "1", "--num_episodes", "1", "--max_steps", str(s.steps),
             "--prompt_max_len", str(s.prompt_max_len), "--generate_max_len", str(s.max_new_tokens),
-            "--temperature", "1.0", "--top_p", "1.0", "--init_kl_coef", "0", "--entropy_loss_coef", "0",
+            "--temperature", str(s.temperature), "--top_p", "1.0", "--init_kl_coef", "0", "--entropy_loss_coef", "0",
             "--eps_clip", "0.2", "--actor_learning_rate", str(s.learning_rate), "--lr_warmup_ratio", "0",
             "--lr_scheduler", "constant_with_warmup", "--adam_betas", "0.9", "0.95", "--l2", "0", "--max_norm", "1.0",
             "--zero_stage", "2", "--bf16", "--packing_samples", "--use_dynamic_batch",
@@ -99,7 +100,7 @@ def openrlhf_command(s: Settings, inputs: Inputs, work: pathlib.Path, scratch: p
             "--data.apply_chat_template", "--data.max_samples", str(s.prompts_per_step * s.steps),
             "--data.max_len", str(s.prompt_max_len + s.max_new_tokens), "--rollout.max_new_tokens", str(s.max_new_tokens),
             "--rollout.batch_size", str(s.prompts_per_step), "--rollout.n_samples_per_prompt", str(s.samples_per_prompt),
-            "--rollout.micro_batch_size", str(s.micro_batch), "--rollout.temperature", "1.0", "--rollout.top_p", "1.0",
+            "--rollout.micro_batch_size", str(s.micro_batch), "--rollout.temperature", str(s.temperature), "--rollout.top_p", "1.0",
             "--train.batch_size", str(s.samples_per_step), "--train.micro_batch_size", str(s.micro_batch),
             "--train.max_epochs", "1", "--train.num_episodes", "1", "--train.seed", str(s.seed),
             "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0", "--actor.entropy_coef", "0",
@@ -124,7 +125,7 @@ def trl_settings(s: Settings, inputs: Inputs, work: pathlib.Path, scratch: pathl
         max_completion_length=s.max_new_tokens, max_steps=s.steps, learning_rate=s.learning_rate,
         lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.95, weight_decay=0.0,
         max_grad_norm=1.0, beta=0.0, num_iterations=1, epsilon=0.2, loss_type="dapo", scale_rewards="group",
-        vllm_importance_sampling_correction=False, temperature=1.0, top_p=1.0,
+        vllm_importance_sampling_correction=False, temperature=s.temperature, top_p=1.0,
         # fp32 master weights under bf16 autocast, as DeepSpeed and FSDP keep them for the others: in a
         # bf16 model AdamW's steps of ~lr are below bf16's resolution of most weights and are lost
         bf16=True, model_init_kwargs={"dtype": "float32"}, gradient_checkpointing=False,
@@ -155,7 +156,7 @@ def verl_command(s: Settings, inputs: Inputs, work: pathlib.Path, scratch: pathl
     overrides.update({
         "actor_rollout_ref.model.enable_gradient_checkpointing": False, A + "optim.betas": "[0.9,0.95]",
         A + "grad_clip": 1.0, A + "clip_ratio": 0.2, A + "loss_agg_mode": "token-mean",
-        R + "top_p": 1.0, "data.seed": s.seed,
+        R + "temperature": s.temperature, R + "top_p": 1.0, "data.seed": s.seed,
         "trainer.save_freq": s.eval_every, A + "checkpoint.save_contents": "[hf_model]",
         "trainer.max_actor_ckpt_to_keep": s.checkpoints + 1})
     return verl_peer.as_command(overrides)

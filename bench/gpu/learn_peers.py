@@ -44,7 +44,7 @@ from spread import spread
 HERE = pathlib.Path(__file__).resolve().parent
 # How the project's own commands are called when an input is not given (services/cli.py).
 FETCH_MODEL = ["fetch-model", "{name}", "--out", "{out}"]
-MAKE_TASK = ["make-task", "{task}", "--out", "{out}"]
+MAKE_TASK = ["make-task", "{task}", "--out", "{out}", "--levels={levels}"]
 # --task make-data: the tiny kit's arithmetic ("12+7=" prompts, train/test split), which needs no make-task
 MAKE_DATA = ["make-data", "{out}"]
 
@@ -61,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--test_file", default="", help="held-out prompts (JSONL); with --train_file")
     p.add_argument("--task", default="arith", help="what rlmesh make-task writes when no files are given; "
                    "make-data: rlmesh make-data's arith_train/arith_test.jsonl instead")
+    p.add_argument("--task_levels", default="1,2", help="rlmesh make-task's --levels (arith: the two easier levels, "
+                   "where SmolLM2-135M finds correct answers to learn from)")
     p.add_argument("--input_key", default="prompt")
     p.add_argument("--label_key", default="label")
     p.add_argument("--eval_size", type=int, default=200, help="held-out problems scored at every checkpoint")
@@ -137,7 +139,7 @@ def task_files(args, scratch: pathlib.Path, out: pathlib.Path) -> tuple[pathlib.
         return pathlib.Path(args.train_file).resolve(), pathlib.Path(args.test_file).resolve()
     folder = scratch / "task"
     project_command(MAKE_DATA if args.task == "make-data" else MAKE_TASK, out / "make-task.log", task=args.task,
-                    out=folder)
+                    out=folder, levels=args.task_levels)
     files = sorted(glob.glob(str(folder / "**" / "*.jsonl"), recursive=True))
     train = [f for f in files if "train" in pathlib.Path(f).name]
     test = [f for f in files if re.search(r"test|heldout|held_out|eval", pathlib.Path(f).name)]

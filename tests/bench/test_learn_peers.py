@@ -27,7 +27,7 @@ def _value(cmd, flag, n=1):
 
 def test_the_four_commands_share_the_learning_problem(tmp_path):
     s = lc.Settings(steps=12, eval_every=3, learning_rate=3e-6, prompts_per_step=16, samples_per_prompt=4,
-                    max_new_tokens=200, prompt_max_len=100, micro_batch=16)
+                    max_new_tokens=200, prompt_max_len=100, micro_batch=16, temperature=0.8)
     inputs = _inputs(tmp_path)
     cmds = {}
     for framework, make in lc.COMMANDS.items():
@@ -61,8 +61,8 @@ def test_the_four_commands_share_the_learning_problem(tmp_path):
     assert g["max_completion_length"] == int(verl["data.max_response_length"]) == 200
     assert _value(rl, "--prompt_max_len") == verl["data.max_prompt_length"] == "100"
     assert _value(orl, "--data.max_len") == verl["actor_rollout_ref.rollout.max_model_len"] == "300"
-    assert _value(rl, "--temperature") == _value(orl, "--rollout.temperature") == "1.0" == verl["actor_rollout_ref.rollout.temperature"]
-    assert g["temperature"] == 1.0 and g["top_p"] == 1.0
+    assert _value(rl, "--temperature") == _value(orl, "--rollout.temperature") == "0.8" == verl["actor_rollout_ref.rollout.temperature"]
+    assert g["temperature"] == 0.8 and g["top_p"] == 1.0
     # GRPO without KL, no reference, no entropy term; the same verifier file
     assert _value(rl, "--advantage_estimator") == _value(orl, "--algo.advantage.estimator") == "group_norm"
     assert verl["algorithm.adv_estimator"] == "grpo" and g["scale_rewards"] == "group"
