@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         # service refuses it (ConfigError, one line, exit 2), before the store and the other ranks start.
         check_exposure("learner", config.host, resolve_token(config.auth_token, config.auth_token_file),
                        bool(config.tls_client_ca), bool(config.allow_unauthenticated))
+    if config.dry_run:  # checked and planned: no model loaded, no rank group, no rank started
+        from services.learner.dry_run import print_plan
+
+        return print_plan(config, spec)
     rank = LearnerRank(config, spec)
     if spec.rank != 0:
         # Ctrl-C reaches every process of the terminal; only rank 0 decides when the ranks stop.

@@ -8,6 +8,7 @@ import pathlib
 from services.common import flags
 from services.common.config import ConfigError, check_fields, opt
 from services.common.server import ServerConfig
+from services.common.service_plan import DRY_RUN_HELP
 from services.learner.deepspeed_setup import DeepSpeedOptions
 from services.learner.logprob_head import HEADS
 
@@ -58,6 +59,7 @@ class LearnerConfig(ServerConfig, DeepSpeedOptions):
     cancel_grace_s: float = opt(30.0, "when a call's caller has gone (deadline, cancel), the ranks stop at the next "
                                       "optimizer step or forward pass; if they have not within this many seconds, "
                                       "health reports NOT_SERVING until they have")
+    dry_run: bool = opt(False, DRY_RUN_HELP)
 
     def validate(self) -> None:
         self.validate_server()

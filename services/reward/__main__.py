@@ -13,8 +13,12 @@ from services.reward.config import RewardConfig
 from services.reward.server import add_reference_service, add_reward_service, make_reward_source
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     config = parse_config(RewardConfig, argv, description=__doc__)
+    if config.dry_run:  # checked and planned, nothing started
+        from services.reward.dry_run import print_plan
+
+        return print_plan(config)
     # Models load before serving starts, so health reports SERVING only once they are usable. A
     # ConfigError (a reward file that does not import, ...) reaches run_command: no traceback.
     source = make_reward_source(config)
@@ -32,6 +36,7 @@ def main(argv=None) -> None:
             add_reference_service(runner, reference)
 
     run_service("reward", config, build)
+    return 0
 
 
 if __name__ == "__main__":

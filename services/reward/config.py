@@ -9,6 +9,7 @@ import pathlib
 from services.common import flags
 from services.common.config import ConfigError, check_fields, opt
 from services.common.server import ServerConfig
+from services.common.service_plan import DRY_RUN_HELP
 from services.common.openrlhf_compat import check_imports
 from services.reward.function_worker import split_file_target
 from services.reward.grpc_source import SCHEME as GRPC_SCHEME
@@ -65,6 +66,7 @@ class RewardConfig(ServerConfig):
     recent_answers: int = opt(1024, "Score answers kept by request id, so that a batch a caller sends again "
                                     "(after a lost reply) is answered without scoring it twice; 0 = keep none")
     reward_func_timeout_s: float = opt(300.0, "time limit of one reward function call (one batch), seconds")
+    dry_run: bool = opt(False, DRY_RUN_HELP)
 
     # Rule rewards.
     math_correct_reward: float = opt(1.0, "math rule: reward of a correct final answer")

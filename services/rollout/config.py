@@ -12,6 +12,7 @@ import pathlib
 from services.common import flags
 from services.common.config import ConfigError, check_fields, opt
 from services.common.server import ServerConfig
+from services.common.service_plan import DRY_RUN_HELP
 
 
 @dataclasses.dataclass
@@ -60,6 +61,7 @@ class RolloutConfig(ServerConfig):
     max_samples_per_request: int = opt(65536, "largest n x prompts in one Generate call")
     weight_receive_timeout_s: float = opt(600.0, "default bound on a weight-push rendezvous and on each "
                                           "broadcast, seconds (InitWeightTransfer may set its own)")
+    dry_run: bool = opt(False, DRY_RUN_HELP)
 
     def validate(self) -> None:
         self.validate_server()

@@ -13,13 +13,13 @@ cluster script is checked on a laptop before it spends GPU hours.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import pathlib
 import sys
 
 from services.common.config import ConfigError
 from services.common.memory_estimate import gib, learner_state_bytes, parameter_count, weights_bytes
+from services.common.python_names import defined_names
 from services.coordinator.config import CoordinatorConfig
 
 
@@ -50,15 +50,10 @@ def _model_files(cfg: CoordinatorConfig) -> list[str]:
     return notes
 
 
-def _functions(path: str) -> set[str]:
-    return {n.name for n in ast.walk(ast.parse(pathlib.Path(path).read_text(), filename=path))
-            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
-
-
 def _reward_source(cfg: CoordinatorConfig) -> str:
     """What scores the samples, with the files checked (defined names, OpenRLHF imports: validate())."""
     if cfg.agent_func_path:
-        defined = _functions(cfg.agent_func_path)
+        defined = defined_names(cfg.agent_func_path)
         if not defined & {"AgentExecutor", "AgentInstance"}:
             raise ConfigError(f"--agent_func_path {cfg.agent_func_path} defines neither AgentExecutor nor "
                               "AgentInstance (OpenRLHF's agent API)")
@@ -75,7 +70,7 @@ def _reward_source(cfg: CoordinatorConfig) -> str:
     file, name = (head, name) if sep and head.endswith(".py") and name.isidentifier() else (entry, "")
     if file.endswith(".py") and pathlib.Path(file).is_file():
         wanted = {name} if name else {"reward_func", "compute_score"}
-        if not _functions(file) & wanted:
+        if not defined_names(file) & wanted:
             raise ConfigError(f"--remote_rm_url {entry}: {file} defines no {' or '.join(sorted(wanted))}")
         return f"reward function file {entry}"
     return f"remote reward server(s) {entry} (not contacted by a dry run)"
