@@ -66,7 +66,7 @@ def test_a_missing_data_file_fails_naming_it(tiny_model_dir, tmp_path, nothing_s
 
 def test_offline_trainers_and_eval_dry_runs_start_nothing(tiny_model_dir, tiny_data_dir, nothing_starts, capsys):
     from services.coordinator.cli import eval_cli
-    from services.learner import train_dpo, train_sft
+    from services.learner import train_dpo, train_rm, train_sft
 
     sft = ["--model.model_name_or_path", str(tiny_model_dir), "--data.dataset", str(tiny_data_dir / "sft.jsonl"),
            "--data.input_key", "prompt", "--data.output_key", "response", "--train.batch_size", "8",
@@ -78,6 +78,12 @@ def test_offline_trainers_and_eval_dry_runs_start_nothing(tiny_model_dir, tiny_d
            "8", "--micro_train_batch_size", "2", "--dry_run"]
     assert train_dpo.main(dpo) == 0
     assert "dry run (dpo)" in capsys.readouterr().out
+    rm = ["--model.model_name_or_path", str(tiny_model_dir), "--data.dataset", str(tiny_data_dir / "prefs.jsonl"),
+          "--data.chosen_key", "chosen", "--data.rejected_key", "rejected", "--train.batch_size", "8",
+          "--ds.param_dtype", "bf16", "--dry_run"]
+    assert train_rm.main(rm) == 0
+    plan = capsys.readouterr().out
+    assert "dry run (rm): nothing was started" in plan and "usable rows" in plan and "ZeRO-2, bf16" in plan
     assert run_command(train_sft.main, [*sft[:3], str(tiny_data_dir / "absent.jsonl"), *sft[4:]]) == 2
     assert "absent.jsonl" in capsys.readouterr().err
     evaluation = ["--pretrain", str(tiny_model_dir), "--dataset", str(tiny_data_dir / "arith_test.jsonl"),
