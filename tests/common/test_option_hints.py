@@ -57,6 +57,8 @@ def test_openrlhf_options_rlmesh_lacks_say_what_to_use(capsys):
     ([sys.executable, "-m", "services.learner.train_sft", "--nonsense"], "python -m services.learner.train_sft"),
     ([sys.executable, "-m", "services.coordinator.train_ppo_ray", "--help"], "python -m services.coordinator.train_ppo_ray"),
     ([sys.executable, "-m", "services.cli", "dpo", "--help"], "rlmesh dpo"),
+    ([sys.executable, "-m", "services.rollout", "--pretrian", "x"], "python -m services.rollout"),
+    ([sys.executable, "-m", "services.cli", "serve", "reward", "--pretrian", "x"], "rlmesh serve reward"),
 ])
 def test_the_program_is_named_as_typed(command, prog):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "protos")])}
