@@ -156,7 +156,8 @@ class CoordinatorConfig(ServerConfig):
         "(the old policy's log-probs, the critic's values; OpenRLHF's experience passes); unset = "
         "--train_max_tokens_per_gpu")
     aux_loss_coef: float = opt(0.0, "MoE models: weight of the router's load-balancing loss added to the actor's "
-                               "loss (transformers' aux_loss with output_router_logits); 0 = none")
+                               "loss and, as in OpenRLHF, to a MoE critic's (transformers' aux_loss with "
+                               "output_router_logits); 0 = none")
     lora_rank: int = flags.LORA_RANK.field(0)
     lora_alpha: float = flags.LORA_ALPHA.field(16.0)
     target_modules: list[str] = flags.TARGET_MODULES.field(["all-linear"])
