@@ -161,10 +161,64 @@ def series_summary(samples: list[dict], key, warmup_steps: int, steps: int) -> d
     tenth = max(steps // 10, 1)
     warm = [v for n, v in points if warmup_steps <= n <= warmup_steps + tenth] or [points[len(points) // 2][1]]
     # Up to the last step's record: after it the run exports the model and its processes stop.
-    end = [v for n, v in points if steps - tenth <= n < steps] or [points[-1][1]]
+    end = [v for n, v in points if steps - tenth <= n < steps] or [v for n, v in points if n < steps][-1:] or [points[-1][1]]
     after, last = statistics.median(warm), statistics.median(end)
     return {"start": points[0][1], "after_warmup": after, "end": last, "max": max(v for _, v in points),
             "growth": round(last / after - 1, 4) if after else None}
+
+
+def settled(samples: list[dict], settle_s: float) -> list[dict]:
+    """The samples with, per name, only processes alive for settle_s or more (the same pids as
+    settle_s before): a service restarted a moment ago is still loading, not in its steady state."""
+    since: dict[str, tuple[tuple, float]] = {}
+    kept = []
+    for s in samples:
+        services = {}
+        for name, x in s["services"].items():
+            pids = tuple(x["pids"])
+            if since.get(name, ((), 0.0))[0] != pids:
+                since[name] = (pids, s["t_s"])
+            if s["t_s"] - since[name][1] >= settle_s:
+                services[name] = x
+        kept.append({**s, "services": services})
+    return kept
+
+
+def resources(samples: list[dict], warmup: int, steps: int, settle_s: float) -> tuple[dict, dict, dict, dict]:
+    """Per process name: RSS, fds and listening ports over the run (settled samples); the checkpoint folder."""
+    calm = settled(samples, settle_s)
+    names = sorted({n for s in samples for n in s["services"]})
+    per = {key: {n: series_summary(calm, lambda s, n=n, key=key: s["services"].get(n, {}).get(key), warmup, steps)
+                 for n in names} for key in ("rss_mb", "fds", "ports")}
+    disk = series_summary(samples, lambda s: s["ckpt_bytes"], warmup, steps)
+    disk["max_complete_checkpoints"] = max((s["ckpt_complete"] for s in samples), default=0)
+    disk["max_folders"] = max((s["ckpt_folders"] for s in samples), default=0)
+    return per["rss_mb"], per["fds"], per["ports"], disk
+
+
+def resource_checks(memory: dict, fds: dict, ports: dict, disk: dict, max_growth: float, max_ckpt_num: int) -> dict:
+    grows = lambda x: x.get("growth") is not None and x["growth"] <= max_growth  # noqa: E731
+    return {"memory_within_growth": all(grows(m) for m in memory.values()),
+            "fds_within_growth": all(grows(f) for f in fds.values()),
+            "ports_stable": all(p.get("end") == p.get("after_warmup") for p in ports.values()),
+            "pruning_holds": disk["max_complete_checkpoints"] <= max_ckpt_num + 1
+                             and disk.get("final_folders", 0) <= max_ckpt_num and (disk.get("growth") or 0) <= max_growth}
+
+
+def reanalyse(path: pathlib.Path, settle_s: float) -> int:
+    """Recomputes the resource figures and checks of a results file from its samples."""
+    r = json.loads(path.read_text())
+    a = r["args"]
+    final = r["checkpoint_disk"].get("final_folders", 0)
+    r["memory_mb"], r["fds"], r["listening_ports"], r["checkpoint_disk"] = resources(
+        r["samples"], r["warmup_steps"], a["steps"], settle_s)
+    r["checkpoint_disk"]["final_folders"] = final
+    r["args"]["settle_s"] = settle_s
+    r["checks"].update(resource_checks(r["memory_mb"], r["fds"], r["listening_ports"], r["checkpoint_disk"],
+                                       a["max_growth"], a["max_ckpt_num"]))
+    path.write_text(json.dumps(r, indent=1))
+    print(table(r))
+    return 0 if all(r["checks"].values()) else 1
 
 
 def leftovers(out: pathlib.Path, timeout_s: float = 30.0) -> list[str]:
@@ -199,13 +253,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max_restarts", type=int, default=1000, help="per service instance")
     parser.add_argument("--out", default="runs/soak")
     parser.add_argument("--timeout_s", type=float, default=7200.0, help="per run")
+    parser.add_argument("--settle_s", type=float, default=30.0,
+                        help="a process's samples count from this many seconds after it appeared (a restarted service loads first)")
+    parser.add_argument("--reanalyse", metavar="RESULTS_JSON", help="only recompute the resource figures of a results file")
     args = parser.parse_args(argv)
+    if args.reanalyse:
+        return reanalyse(pathlib.Path(args.reanalyse), args.settle_s)
     warmup = args.warmup_steps if args.warmup_steps is not None else max(args.steps // 10, 3)
     root = pathlib.Path(args.out).resolve()
     shutil.rmtree(root, ignore_errors=True)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(root / "torch_extensions"))
     model, data = make_tiny_model(root / "model", seed=0), make_data(root / "data", seed=0)
-    extra = ["--max_ckpt_num", str(args.max_ckpt_num), "--max_restarts", str(args.max_restarts)]
+    # grpo_argv takes 8 prompts a step: the tiny data's 2,000 training prompts are 250 steps a pass.
+    passes = -(-args.steps * 8 // sum(1 for _ in open(data / "arith_train.jsonl")))
+    extra = ["--max_ckpt_num", str(args.max_ckpt_num), "--max_restarts", str(args.max_restarts),
+             "--num_episodes", str(passes)]
     t0 = time.time()
 
     base_out = root / "baseline"
@@ -236,17 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     model_diff = None
     if trial.returncode == 0 and (out / "model").is_dir() and (base_out / "model").is_dir():
         model_diff = model_difference(base_out / "model", out / "model")
-    samples = sampler.samples
-    names = sorted({n for s in samples for n in s["services"]})
-    memory = {n: series_summary(samples, lambda s, n=n: s["services"].get(n, {}).get("rss_mb"), warmup, args.steps)
-              for n in names}
-    fds = {n: series_summary(samples, lambda s, n=n: s["services"].get(n, {}).get("fds"), warmup, args.steps)
-           for n in names}
-    ports = {n: series_summary(samples, lambda s, n=n: s["services"].get(n, {}).get("ports"), warmup, args.steps)
-             for n in names}
-    disk = series_summary(samples, lambda s: s["ckpt_bytes"], warmup, args.steps)
-    disk["max_complete_checkpoints"] = max((s["ckpt_complete"] for s in samples), default=0)
-    disk["max_folders"] = max((s["ckpt_folders"] for s in samples), default=0)
+    memory, fds, ports, disk = resources(sampler.samples, warmup, args.steps, args.settle_s)
     disk["final_folders"] = len(list((out / "ckpt").glob("global_step_*")))
     landed = [k.service for k, _ in zip(kills, trial.killed_at_s)]
     once = exactly_once(trial)
@@ -257,11 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         "every_step_once": once["recorded"] == once["distinct"] == args.steps and once["in_order"],
         "every_kill_landed": len(trial.killed_at_s) == len(kills),
         "equal_to_fault_free": not diffs and model_diff is not None and model_diff < 1e-6,
-        "memory_within_growth": all(m.get("growth") is not None and m["growth"] <= args.max_growth for m in memory.values()),
-        "fds_within_growth": all(f.get("growth") is not None and f["growth"] <= args.max_growth for f in fds.values()),
-        "ports_stable": all(p.get("end") == p.get("after_warmup") for p in ports.values()),
-        "pruning_holds": disk["max_complete_checkpoints"] <= args.max_ckpt_num + 1
-                         and disk["final_folders"] <= args.max_ckpt_num and (disk.get("growth") or 0) <= args.max_growth,
+        **resource_checks(memory, fds, ports, disk, args.max_growth, args.max_ckpt_num),
         "no_leftovers": not left,
     }
     results = {
@@ -274,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         "final_metrics": {"baseline": base.records[-1] if base.records else None,
                           "soak": trial.records[-1] if trial.records else None},
         "memory_mb": memory, "fds": fds, "listening_ports": ports, "checkpoint_disk": disk, "leftovers": left,
-        "checks": checks, "samples": samples,
+        "checks": checks, "samples": sampler.samples,
     }
     (root / "results.json").write_text(json.dumps(results, indent=1))
     print(table(results))
@@ -294,6 +342,9 @@ def table(r: dict) -> str:
              f"{'fds warm/end':>12}  {'ports warm/end':>14}"]
     for n, m in r["memory_mb"].items():
         f, p = r["fds"][n], r["listening_ports"][n]
+        if not m:
+            lines.append(f"{n:<14} (no settled sample)")
+            continue
         lines.append(f"{n:<14} {m['start']:>13.0f} {m['after_warmup']:>13.0f} {m['end']:>8.0f} {m['growth']:>+7.1%}  "
                      f"{'%.0f/%.0f' % (f['after_warmup'], f['end']):>12}  {'%.0f/%.0f' % (p['after_warmup'], p['end']):>14}")
     d = r["checkpoint_disk"]

@@ -22,7 +22,7 @@ SERVICES = {"coordinator", "learner", "reward-ref-0", "rollout-0", "rollout-1"}
 def test_soak_small(tmp_path):
     out = tmp_path / "soak"
     proc = subprocess.run([sys.executable, "bench/soak.py", "--steps", "12", "--kill_every", "4", "--sample_s", "1",
-                           "--warmup_steps", "3", "--out", str(out)], cwd=REPO, env=service_env(),
+                           "--warmup_steps", "3", "--settle_s", "3", "--out", str(out)], cwd=REPO, env=service_env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode in (0, 1), proc.stdout[-4000:] + proc.stderr[-4000:]
     results = json.loads((out / "results.json").read_text())
