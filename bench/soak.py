@@ -210,8 +210,9 @@ def reanalyse(path: pathlib.Path, settle_s: float) -> int:
     r = json.loads(path.read_text())
     a = r["args"]
     final = r["checkpoint_disk"].get("final_folders", 0)
+    # A run stopped early: its last tenth is that of the steps it recorded.
     r["memory_mb"], r["fds"], r["listening_ports"], r["checkpoint_disk"] = resources(
-        r["samples"], r["warmup_steps"], a["steps"], settle_s)
+        r["samples"], r["warmup_steps"], min(a["steps"], r["steps"]["recorded"]), settle_s)
     r["checkpoint_disk"]["final_folders"] = final
     r["args"]["settle_s"] = settle_s
     r["checks"].update(resource_checks(r["memory_mb"], r["fds"], r["listening_ports"], r["checkpoint_disk"],
