@@ -315,6 +315,13 @@ class CoordinatorConfig(ServerConfig):
     restart_backoff_s: float = opt(1.0, "wait before a service's first restart; doubled for each further "
                                    "restart of the same instance, at most 60 s")
     health_poll_s: float = opt(0.5, "how often the supervisor checks that every service is alive")
+    elastic: bool = opt(False, "ray: when a node is lost and no node takes its services within --elastic_wait_s, "
+                        "the run goes on with what is left instead of stopping: a lost rollout engine (or reward / "
+                        "reference instance) is left out while another of its role serves, its prompts going to the "
+                        "others; lost learner ranks re-form the learner on the ranks left (from the newest "
+                        "checkpoint, the same global batch); a node that joins brings them back at a step boundary")
+    elastic_wait_s: float = opt(30.0, "with --elastic: how long a lost node's services wait for another node to take "
+                                "their place before the run goes on without them, seconds")
 
     # The coordinator's own gRPC API (GetStatus, StreamMetrics, Pause, Resume, Stop) and metrics.
     host: str = opt("127.0.0.1", "address the coordinator's control API binds to")
@@ -369,6 +376,7 @@ class CoordinatorConfig(ServerConfig):
         self._check_values()
         self._check_eval()
         self._check_async_and_agent()
+        self._check_elastic()
         self._check_gpu_only_flags()
 
     def _resolve_paths(self) -> None:
@@ -683,6 +691,20 @@ class CoordinatorConfig(ServerConfig):
 
     def eval_enabled(self) -> bool:
         return bool(self.eval_dataset) and self.eval_steps > 0
+
+    def _check_elastic(self) -> None:
+        if not self.elastic:
+            return
+        if self.placement != "ray":
+            raise ConfigError(f"--elastic re-plans the services of a lost Ray node; this run's placement is "
+                              f"{self.placement}: run it on a Ray cluster (--placement ray, --ray_address, or `ray job "
+                              "submit`), or drop --elastic")
+        if self.async_train:
+            raise ConfigError("--elastic re-forms the learner between two steps, which --async_train does not have "
+                              "(the next step generates while this one trains): drop one of them")
+        if not self.elastic_wait_s > 0:
+            raise ConfigError(f"--elastic_wait_s {self.elastic_wait_s} must be > 0 (seconds a lost node's services "
+                              "wait for another node, e.g. 30)")
 
     def _check_async_and_agent(self) -> None:
         if self.max_staleness < 0:

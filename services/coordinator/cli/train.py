@@ -45,6 +45,7 @@ from services.coordinator.loop.queries import QueryDecoder
 from services.coordinator.config import public_config
 from services.coordinator.fleet.security import secure_run
 from services.coordinator.cli.run_config import total_steps_of
+from services.coordinator.fleet.elastic import Elastic
 from services.coordinator.fleet.recovery import Recovery
 from services.coordinator.fleet.scaling import Scaler
 from services.coordinator.fleet.supervisor import Supervisor
@@ -77,9 +78,10 @@ def make_placement(config: CoordinatorConfig, run_dir: pathlib.Path, total_steps
         return LocalPlacement(config, run_dir, total_steps)
     if config.placement == "static":
         return StaticPlacement(config)
+    from services.coordinator.fleet.ray_elastic import ElasticRayPlacement
     from services.coordinator.fleet.ray_placement import RayPlacement
 
-    placement = RayPlacement(config, run_dir, total_steps)
+    placement = (ElasticRayPlacement if config.elastic else RayPlacement)(config, run_dir, total_steps)
     placement.connect()
     return placement
 
@@ -145,7 +147,7 @@ async def run(config: CoordinatorConfig) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal, signum)
 
-    trainer = supervisor = None
+    trainer = supervisor = elastic = None
     code = 0
     log_event(_log, "run.start", run_dir=str(run_dir), placement=config.placement, steps=total_steps,
               prompts=len(stream), eval_prompts=len(eval_prompts), control=f"{config.host}:{runner.port}",
@@ -161,7 +163,9 @@ async def run(config: CoordinatorConfig) -> int:
         supervisor = Supervisor(placement, config.max_restarts, config.restart_backoff_s, config.health_poll_s,
                                 run_dir)
         recovery = Recovery(trainer, supervisor)
+        elastic = Elastic(recovery, placement, control)  # the run's shape; --elastic: goes on without a lost node
         supervisor.start()
+        elastic.start()
         await supervisor.run_unless_failed(recovery.setup(resume=config.load_checkpoint))
         trainer.metrics = MetricsLog(run_dir, config, resumed_step=trainer.state.global_step)
         trainer.metrics.log_if_missing(trainer.state.global_step, trainer.state.step_record)
@@ -192,6 +196,8 @@ async def run(config: CoordinatorConfig) -> int:
     finally:
         if control.scaler is not None:
             await control.scaler.close()
+        if elastic is not None:
+            await elastic.stop()
         if supervisor is not None:
             await supervisor.stop()  # before the services stop, or it would restart them
         if trainer is not None:

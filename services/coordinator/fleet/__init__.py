@@ -5,7 +5,9 @@ find instances (ray_host.py is the actor, light to import on every node); ray_cl
 what the Ray cluster holds (live nodes, where a bundle is, the bounded wait for an actor);
 local_cluster.py starts a cluster of loopback nodes on one machine; launcher.py spawns a service
 process and waits for it; supervisor.py watches every instance and restarts the dead; recovery.py
-tells the loop what a death means for the step; scaling.py adds and removes instances; security.py
+tells the loop what a death means for the step; elastic.py keeps the run's shape and, with --elastic,
+goes on without what a lost node held and grows back when a node joins (ray_elastic.py re-forms the
+learner on the ranks left); scaling.py adds and removes instances; security.py
 makes the run's token and TLS settings; control.py serves the run's control API; final_scrape.py
 waits for Prometheus' last scrape.
 

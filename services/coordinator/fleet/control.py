@@ -13,7 +13,7 @@ from rlmesh.coordinator.v1 import coordinator_pb2 as pb
 from rlmesh.coordinator.v1 import coordinator_pb2_grpc
 from services.common.client import make_channel
 from services.common.errors import ServiceError, handle_errors
-from services.coordinator.loop.run_state import RunControl
+from services.coordinator.loop.run_state import RunControl, RunShape
 
 SERVICE_NAME = "rlmesh.coordinator.v1.CoordinatorService"
 
@@ -38,14 +38,17 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         c = self.control
         if c.refresh_services is not None:
             c.refresh_services()
-        checks = await asyncio.gather(*(_health(s.address) for s in c.services))
+        # The list and shape as they are now: the health checks below take time, while restarts change them.
+        entries, shape = list(c.services), _shape_message(c.shape)
+        checks = await asyncio.gather(*(_health(s.address) for s in entries))
         services = [pb.ServiceStatus(role=s.role, index=s.index, address=s.address, health=health, detail=detail,
                                      weight_version=s.weight_version, state=s.state, restarts=s.restarts)
-                    for s, (health, detail) in zip(c.services, checks)]
+                    for s, (health, detail) in zip(entries, checks)]
         return pb.GetStatusResponse(global_step=c.global_step, total_steps=c.total_steps, episode=c.episode,
                                     phase=c.phase, state=c.state, services=services, run_dir=c.run_dir,
                                     last_checkpoint_step=c.last_checkpoint_step, weight_version=c.weight_version,
-                                    elapsed_s=time.monotonic() - c.started, error=c.error, placement=c.placement)
+                                    elapsed_s=time.monotonic() - c.started, error=c.error, placement=c.placement,
+                                    shape=shape)
 
     @handle_errors
     async def StreamMetrics(self, request, context):
@@ -113,6 +116,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         except ScaleError as exc:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"Scale: {exc}") from None
         return pb.ScaleResponse(addresses=addresses, added=added, removed=removed)
+
+
+def _shape_message(shape: RunShape) -> pb.RunShape:
+    (engines, planned_engines), (ranks, planned_ranks) = shape.rollout_engines, shape.learner_ranks
+    (rewards, planned_rewards), (references, planned_references) = shape.reward_instances, shape.reference_instances
+    return pb.RunShape(rollout_engines=engines, planned_rollout_engines=planned_engines, learner_ranks=ranks,
+                       planned_learner_ranks=planned_ranks, reward_instances=rewards,
+                       planned_reward_instances=planned_rewards, reference_instances=references,
+                       planned_reference_instances=planned_references, reshapes=shape.reshapes,
+                       elastic=shape.elastic, left_out=list(shape.left_out))
 
 
 def _metrics_message(record: dict) -> pb.StreamMetricsResponse:

@@ -139,6 +139,8 @@ def learner_argv(cfg: CoordinatorConfig, total_steps: int, num_ranks: int) -> li
                  "use_ds_universal_ckpt", "use_dynamic_batch"):
         if getattr(cfg, flag):
             argv.append(f"--{flag}")
+    if cfg.elastic and cfg.zero_stage > 0 and not cfg.use_ds_universal_ckpt:
+        argv.append("--use_ds_universal_ckpt")  # a learner re-formed on other ranks loads the last checkpoint
     if cfg.use_dynamic_batch:
         argv += ["--train_max_tokens_per_gpu", str(cfg.train_max_tokens_per_gpu)]
         if cfg.rollout_max_tokens_per_gpu:

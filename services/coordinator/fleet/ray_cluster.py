@@ -28,11 +28,11 @@ def describe_bundles(bundles: list[dict]) -> str:
 
 
 async def actor_node(actor, group, index: int, name: str, group_role: str, placement_timeout_s: float,
-                     start_timeout_s: float) -> str:
+                     start_timeout_s: float, bound_flag: str = "--ray_placement_timeout_s") -> str:
     """The node of an instance's actor, once Ray placed it and its process runs. A bundle without a
-    live node (its node was lost, or the cluster is full) may wait placement_timeout_s for one; an
-    actor whose bundle has a node may take start_timeout_s to start its process (a loaded node starts
-    its worker processes one at a time)."""
+    live node (its node was lost, or the cluster is full) may wait placement_timeout_s (the flag
+    `bound_flag`, named in the error) for one; an actor whose bundle has a node may take
+    start_timeout_s to start its process (a loaded node starts its worker processes one at a time)."""
     call = asyncio.ensure_future(actor.node_ip.remote())
     loop = asyncio.get_running_loop()
     give_up = loop.time() + start_timeout_s
@@ -49,10 +49,10 @@ async def actor_node(actor, group, index: int, name: str, group_role: str, place
             gpus = bundle.get("GPU", 0)
             raise NoRoom(
                 f"{name}: no node took its bundle ({describe_bundles([bundle])} of {group_role}) within "
-                f"--ray_placement_timeout_s {placement_timeout_s:.0f} s; {cluster_summary()}. Its node was lost or the "
+                f"{bound_flag} {placement_timeout_s:.0f} s; {cluster_summary()}. Its node was lost or the "
                 "cluster is full, so more restarts cannot help (--max_restarts does not matter): a node with "
                 f"room for the bundle must join (`{join_command(f'{gpus:g}' if gpus else '')}`). "
-                "One that joins within --ray_placement_timeout_s takes the bundle and the run goes on (raise the "
+                f"One that joins within {bound_flag} takes the bundle and the run goes on (raise the "
                 "bound to wait longer); once the run stopped, add it and resume with --load_checkpoint")
         if now >= give_up:
             call.cancel()
@@ -63,11 +63,12 @@ async def actor_node(actor, group, index: int, name: str, group_role: str, place
 
 
 def bundle_has_live_node(group, index: int) -> bool:
-    """Whether the placement group's bundle is reserved on a node that is alive now (a group whose node
-    was lost is RESCHEDULING until another node takes the bundle)."""
+    """Whether the placement group's bundle is reserved on a node that is alive now. A group whose node
+    was lost is RESCHEDULING until another node takes the lost bundles; its other bundles stay where
+    they are, and actors on them run and start as before."""
     table = placement_group_table(group)
     node = table.get("bundles_to_node_id", {}).get(index)
-    return table.get("state") == "CREATED" and node in {n["NodeID"] for n in live_nodes()}
+    return bool(node) and node in {n["NodeID"] for n in live_nodes()}
 
 
 def live_nodes() -> list[dict]:

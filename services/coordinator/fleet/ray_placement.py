@@ -62,7 +62,6 @@ class Placed:
     address: str = ""
     node_ip: str = ""  # the node the service runs on (its address's host)
     metrics_port: int | None = None
-    actors_made: int = 0  # a replaced actor gets a new name: the dead one may hold its name a while
 
 
 class RayPlacement:
@@ -80,6 +79,10 @@ class RayPlacement:
         self._log_offsets: dict[tuple[str, str], int] = {}  # (service, node) -> bytes copied to the run folder
         self._mirror: asyncio.Task | None = None
         self._log_dir, self._driver_ip = str((run_dir / "logs").resolve()), ""
+        # Actors made per service name: a replaced actor gets a new name (the dead one may hold its name a while).
+        self._actors_named: dict[str, int] = {}
+        # How long a restart waits for a node to take a bundle whose node was lost, and the flag that says so.
+        self.lost_bundle_wait_s, self.lost_bundle_flag = cfg.ray_placement_timeout_s, "--ray_placement_timeout_s"
 
     # ---- the cluster ----
     def connect(self) -> None:
@@ -257,8 +260,8 @@ class RayPlacement:
     def _make_actor(self, p: Placed) -> None:
         group, index = p.bundles[0]
         # Named by its service (the dashboard's actor list reads rollout-0, learner-rank1, ...).
-        p.actors_made += 1
-        name = p.spec.name if p.actors_made == 1 else f"{p.spec.name}-restart{p.actors_made - 1}"
+        made = self._actors_named[p.spec.name] = self._actors_named.get(p.spec.name, 0) + 1
+        name = p.spec.name if made == 1 else f"{p.spec.name}-restart{made - 1}"
         p.actor = ray.remote(ServiceHost).options(
             name=name, num_cpus=0 if self.gpu_plan else self.cfg.ray_cpus_per_service, num_gpus=p.share,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
@@ -306,6 +309,15 @@ class RayPlacement:
         """Stops what is left of the service, restarts any dead actor on its bundle and starts the
         child again; returns the new address (a restarted learner restarts every rank)."""
         members = self._members(name)
+        await self._stop_actors(members)
+        if name == "learner":
+            await self._start_learner()
+            return self.learner_host.address
+        await self._start_one(members[0], wait=True)
+        return members[0].address
+
+    async def _stop_actors(self, members: list[Placed]) -> None:
+        """Stops the services of `members`; a dead actor is replaced by a new one on its bundle."""
         for p in members:
             try:
                 await asyncio.wait_for(p.actor.stop.remote(5.0), ACTOR_ANSWER_S)
@@ -315,11 +327,6 @@ class RayPlacement:
                 ray.kill(p.actor)
                 self._make_actor(p)
                 log_event(_log, "ray.actor_replaced", service=p.spec.name, why=type(exc).__name__)
-        if name == "learner":
-            await self._start_learner()
-            return self.learner_host.address
-        await self._start_one(members[0], wait=True)
-        return members[0].address
 
     # ---- scaling while running (services/coordinator/fleet/scaling.py) ----
     async def add(self, role: str) -> tuple[str, tuple[str, ...], str]:
@@ -405,7 +412,7 @@ class RayPlacement:
     async def _placed_on(self, p: Placed) -> str:
         group, index = p.bundles[0]
         return await actor_node(p.actor, group, index, p.spec.name, self.group_roles.get(id(group), "its group"),
-                                self.cfg.ray_placement_timeout_s, self.cfg.service_start_timeout_s)
+                                self.lost_bundle_wait_s, self.cfg.service_start_timeout_s, self.lost_bundle_flag)
 
     async def _start_one(self, p: Placed, wait: bool, env: dict | None = None) -> None:
         await self._placed_on(p)

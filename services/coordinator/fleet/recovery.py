@@ -19,6 +19,9 @@
 
     during start-up       (the first weight group, the first push, a resume's checkpoint load) the
                           start-up is done again once the dead service serves again.
+    a lost node (--elastic, elastic.py)  what no node replaces is left out: an engine like a dead one that
+                          never comes back, the learner re-formed on fewer ranks like a restarted one
+                          (rewind); the learner growing back at a step start rewinds to that step.
 
 A death counts for a failed call even when the supervisor restarted the service before the call's
 failure surfaced (a push that waits on a dead member's socket can outlast the restart).
@@ -75,6 +78,7 @@ class Recovery:
         self.learner_restarted = False
         self._sync_lock = asyncio.Lock()
         self._step_mark: dict[str, tuple[int, float]] = {}  # deaths seen when the step started
+        self.elastic = None  # --elastic: fleet/elastic.py (the learner grows back at a step start)
 
     def refresh_status(self) -> None:
         """The control API's service list, with the supervisor's state and restarts of each."""
@@ -288,6 +292,8 @@ class Recovery:
                            expected=self.t.weight_version(), action="rewind to the last checkpoint")
             raise LearnerRestarted(f"the learner holds weight version {held}, not "
                                    f"{self.t.weight_version()}: it restarted")
+        if self.elastic is not None:
+            await self.elastic.before_step()
         # The same for a rollout engine: one that no longer holds the pushed version is admitted again.
         engines = self.members.admitted_engines()
         infos = await asyncio.gather(*(self.members.engine_infos([e]) for e in engines), return_exceptions=True)
@@ -405,6 +411,11 @@ class Recovery:
         t.retry_step()
         self.sup.event("step.retried", step=step + 1, lost_samples=lost_samples)
         return step
+
+    async def rewind_learner(self, step: int) -> int:
+        """The learner was started again on purpose (--elastic: on more ranks) after step `step` was
+        saved: it loads that checkpoint and the engines get its weights; no step is done again."""
+        return await self._rewind(step)
 
     async def _rewind(self, step: int) -> int:
         """The restarted learner loads the newest complete checkpoint; the loop goes back to it."""

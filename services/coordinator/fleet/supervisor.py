@@ -16,6 +16,8 @@ this module only keeps the instances alive and tells its listeners when one is b
     states:  serving --(death)--> dead --(back-off, restart)--> starting --> syncing (rollout) --> serving
                                                                          \\-> serving (others)
              draining: gets no new work and leaves once its in-flight work is done (scale down)
+             lost:     (--elastic) its node was lost and no node took its place: the run goes on without
+                       it; `revive` starts it again once a node did (fleet/elastic.py decides both)
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from services.common.ready_file import ServiceStartError
 
 _log = get_logger("coordinator")
 
-STARTING, SERVING, SYNCING, DRAINING, DEAD = "starting", "serving", "syncing", "draining", "dead"
+STARTING, SERVING, SYNCING, DRAINING, DEAD, LOST = "starting", "serving", "syncing", "draining", "dead", "lost"
 MAX_BACKOFF_S = 60.0
 
 RESTARTS = prometheus_client.Counter("rlmesh_coordinator_service_restarts_total",
@@ -91,6 +93,10 @@ class Supervisor:
         # Around each restart attempt and its listeners (recovery.py: an engine on the learner's GPUs
         # waits for the learner's offload).
         self.restart_guard: Callable[[Instance], AbstractAsyncContextManager] = lambda instance: contextlib.nullcontext()
+        # Whether a restart with nowhere to go (NoRoom) leaves the instance out instead of stopping the run
+        # (--elastic, fleet/elastic.py); then the on_left_out listeners are called with it.
+        self.may_leave_out: Callable[[Instance], bool] = lambda instance: False
+        self.on_left_out: list[Callable[[Instance], None]] = []
         self._changed = asyncio.Condition()
         self._restarts: dict[str, asyncio.Task] = {}
         self._watch: asyncio.Task | None = None
@@ -165,23 +171,29 @@ class Supervisor:
         self.event("service.failed", service=instance.name, how=instance.last_death, restarts=instance.restarts,
                    why=why)
 
-    async def _restart(self, instance: Instance) -> None:
+    async def _restart(self, instance: Instance, counted: bool = True) -> None:
+        """Restarts a dead instance. counted False: a left-out instance whose place has a node again
+        starts without back-off and without using its budget (its node was lost, it did not die)."""
         while True:
-            if instance.restarts >= self.max_restarts:
+            if counted and instance.restarts >= self.max_restarts:
                 await self._give_up(instance, f"died ({instance.last_death}) after {instance.restarts} restart(s) "
                                               f"of --max_restarts {self.max_restarts}")
                 break
-            delay = min(self.backoff_s * 2 ** instance.restarts, MAX_BACKOFF_S)
+            delay = min(self.backoff_s * 2 ** instance.restarts, MAX_BACKOFF_S) if counted else 0.0
             await asyncio.sleep(delay)
             async with self.restart_guard(instance):
                 instance.state = STARTING
-                instance.restarts += 1
-                RESTARTS.labels(instance.name).inc()
+                if counted:
+                    instance.restarts += 1
+                    RESTARTS.labels(instance.name).inc()
                 t0 = time.monotonic()
                 try:
                     address = await self.placement.restart(instance.name)
                 except NoRoom as exc:
                     instance.state, instance.last_death = DEAD, f"restart failed: {exc}"
+                    if self.may_leave_out(instance):
+                        self._leave_out(instance, exc, counted)
+                        break
                     await self._give_up(instance, f"could not be restarted: {exc}", fix="")
                     break
                 except Exception as exc:  # noqa: BLE001 - a failed start uses a restart of the budget, then retries
@@ -189,6 +201,7 @@ class Supervisor:
                     instance.state = DEAD
                     self.event("service.restart_failed", service=instance.name, error=str(exc).splitlines()[0],
                                restarts=instance.restarts)
+                    counted = True
                     continue
                 instance.address = address
                 instance.state = SYNCING if "rollout" in instance.roles else SERVING
@@ -199,6 +212,42 @@ class Supervisor:
                 for listener in self.on_restarted:
                     await listener(instance)
             break
+        await self._notify()
+
+    def _leave_out(self, instance: Instance, exc: NoRoom, counted: bool) -> None:
+        """The run goes on without the instance (--elastic): no node took its place."""
+        instance.state = LOST
+        if counted:  # the attempt found no room: nothing was started, the budget is for deaths
+            instance.restarts -= 1
+        self.event("service.left_out", service=instance.name, roles=",".join(instance.roles),
+                   why=str(exc).split(". ")[0][:300])
+        for listener in self.on_left_out:
+            listener(instance)
+
+    def revive(self, instance: Instance) -> None:
+        """Starts a left-out instance again (a node took its place); listeners as after a restart."""
+        if instance.state != LOST:
+            return
+        instance.state, instance.died_at = DEAD, time.monotonic()
+        self._restarts[instance.name] = asyncio.ensure_future(self._restart(instance, counted=False))
+
+    async def reshape(self, name: str, start: Callable[[], Awaitable[str]]) -> None:
+        """Starts a serving instance again in another shape (the learner on more ranks, --elastic): the
+        stop is no death. `start` returns its new address; listeners as after a restart. A failed
+        reshape is a death (the usual restart follows) and is raised."""
+        instance = self.instances[name]
+        instance.state = STARTING
+        t0 = time.monotonic()
+        try:
+            instance.address = await start()
+        except Exception as exc:
+            instance.state = SERVING  # so that _died takes it: the restart brings it back in some shape
+            self._died(instance, f"its reshape failed: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+            raise
+        instance.state = SERVING
+        self.event("service.reshaped", service=name, address=instance.address, start_s=round(time.monotonic() - t0, 2))
+        for listener in self.on_restarted:
+            await listener(instance)
         await self._notify()
 
     async def wait_back(self, timeout_s: float) -> None:

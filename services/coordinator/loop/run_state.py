@@ -41,6 +41,19 @@ class ServiceEntry:
     restarts: int = 0
 
 
+@dataclasses.dataclass
+class RunShape:
+    """Instances in use against planned, per role (the fleet's elastic.py keeps it current)."""
+
+    rollout_engines: tuple[int, int] = (0, 0)  # (now, planned)
+    learner_ranks: tuple[int, int] = (0, 0)
+    reward_instances: tuple[int, int] = (0, 0)
+    reference_instances: tuple[int, int] = (0, 0)
+    reshapes: int = 0
+    elastic: bool = False
+    left_out: tuple[str, ...] = ()
+
+
 class RunControl:
     """Shared state of one run: what the loop is doing and what the API asked for."""
 
@@ -57,6 +70,7 @@ class RunControl:
         self.run_dir = ""
         self.started = time.monotonic()
         self.services: list[ServiceEntry] = []
+        self.shape = RunShape()
         self.refresh_services = None  # rebuilds `services` from the supervisor (set once it runs)
         self.scaler = None  # services/coordinator/fleet/scaling.py Scaler, once the run is supervised
         self.metrics: MetricsLog | None = None

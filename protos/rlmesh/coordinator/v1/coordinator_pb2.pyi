@@ -79,7 +79,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("global_step", "total_steps", "episode", "phase", "state", "services", "run_dir", "last_checkpoint_step", "weight_version", "elapsed_s", "error", "placement")
+    __slots__ = ("global_step", "total_steps", "episode", "phase", "state", "services", "run_dir", "last_checkpoint_step", "weight_version", "elapsed_s", "error", "placement", "shape")
     GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
     TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     EPISODE_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class GetStatusResponse(_message.Message):
     ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
     global_step: int
     total_steps: int
     episode: int
@@ -104,7 +105,34 @@ class GetStatusResponse(_message.Message):
     elapsed_s: float
     error: str
     placement: str
-    def __init__(self, global_step: _Optional[int] = ..., total_steps: _Optional[int] = ..., episode: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., state: _Optional[_Union[RunState, str]] = ..., services: _Optional[_Iterable[_Union[ServiceStatus, _Mapping]]] = ..., run_dir: _Optional[str] = ..., last_checkpoint_step: _Optional[int] = ..., weight_version: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., error: _Optional[str] = ..., placement: _Optional[str] = ...) -> None: ...
+    shape: RunShape
+    def __init__(self, global_step: _Optional[int] = ..., total_steps: _Optional[int] = ..., episode: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., state: _Optional[_Union[RunState, str]] = ..., services: _Optional[_Iterable[_Union[ServiceStatus, _Mapping]]] = ..., run_dir: _Optional[str] = ..., last_checkpoint_step: _Optional[int] = ..., weight_version: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., error: _Optional[str] = ..., placement: _Optional[str] = ..., shape: _Optional[_Union[RunShape, _Mapping]] = ...) -> None: ...
+
+class RunShape(_message.Message):
+    __slots__ = ("rollout_engines", "planned_rollout_engines", "learner_ranks", "planned_learner_ranks", "reward_instances", "planned_reward_instances", "reference_instances", "planned_reference_instances", "reshapes", "elastic", "left_out")
+    ROLLOUT_ENGINES_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_ROLLOUT_ENGINES_FIELD_NUMBER: _ClassVar[int]
+    LEARNER_RANKS_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_LEARNER_RANKS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_REWARD_INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_REFERENCE_INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    RESHAPES_FIELD_NUMBER: _ClassVar[int]
+    ELASTIC_FIELD_NUMBER: _ClassVar[int]
+    LEFT_OUT_FIELD_NUMBER: _ClassVar[int]
+    rollout_engines: int
+    planned_rollout_engines: int
+    learner_ranks: int
+    planned_learner_ranks: int
+    reward_instances: int
+    planned_reward_instances: int
+    reference_instances: int
+    planned_reference_instances: int
+    reshapes: int
+    elastic: bool
+    left_out: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rollout_engines: _Optional[int] = ..., planned_rollout_engines: _Optional[int] = ..., learner_ranks: _Optional[int] = ..., planned_learner_ranks: _Optional[int] = ..., reward_instances: _Optional[int] = ..., planned_reward_instances: _Optional[int] = ..., reference_instances: _Optional[int] = ..., planned_reference_instances: _Optional[int] = ..., reshapes: _Optional[int] = ..., elastic: _Optional[bool] = ..., left_out: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StreamMetricsRequest(_message.Message):
     __slots__ = ("since_step",)
