@@ -313,7 +313,8 @@ class CoordinatorConfig(ServerConfig):
     max_restarts: int = opt(3, "restarts allowed per service instance (rollout-0, learner, ...) before the run "
                             "stops with that service's exit code and log; 0 = never restart")
     restart_backoff_s: float = opt(1.0, "wait before a service's first restart; doubled for each further "
-                                   "restart of the same instance, at most 60 s")
+                                   "restart of the same instance before it served a finished step again "
+                                   "(a crash loop), at most 60 s")
     health_poll_s: float = opt(0.5, "how often the supervisor checks that every service is alive")
     elastic: bool = opt(False, "ray: when a node is lost and no node takes its services within --elastic_wait_s, "
                         "the run goes on with what is left instead of stopping: a lost rollout engine (or reward / "

@@ -275,6 +275,10 @@ class Recovery:
     def _group_stale(self) -> bool:
         return not self.members.weight_group_is(self._members())
 
+    def step_finished(self) -> None:
+        """After each finished step: the instances serving now start their restart back-off afresh."""
+        self.sup.step_finished()
+
     async def before_step(self) -> None:
         """At a step's start: fail if a service gave up; admit restarted engines; with no engine
         admitted, wait for one."""

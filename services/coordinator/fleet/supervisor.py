@@ -7,7 +7,9 @@ actor and its child are alive; static: the address answers grpc.health.v1). A de
 through the same placement (local: the process is started again with the same command line; Ray:
 the child, or a dead actor, is started again on its bundle; static: the deployment restarts it and
 the supervisor waits for the address to serve again), after a back-off of --restart_backoff_s
-doubled per earlier restart. Past --max_restarts restarts of one instance the run stops with an
+doubled per restart since the instance last served in a finished step (a crash loop waits longer each
+time; an instance that died after serving steps, however many times in a long run, waits the first
+back-off again). Past --max_restarts restarts of one instance the run stops with an
 error naming the instance, how it ended and the last lines of its log.
 
 What a restart means for the loop (weights, rewinding to a checkpoint) is recovery.py's business:
@@ -74,6 +76,7 @@ class Instance:
     state: str = SERVING
     weight_version: int = 0  # rollout engines: the version verified on it
     restarts: int = 0
+    backoff_level: int = 0  # restarts since it last served in a finished step: the back-off's exponent
     last_death: str = ""  # how it ended last time ("exit code -9")
     died_at: float = 0.0  # time.monotonic() of the last death noticed
 
@@ -179,12 +182,13 @@ class Supervisor:
                 await self._give_up(instance, f"died ({instance.last_death}) after {instance.restarts} restart(s) "
                                               f"of --max_restarts {self.max_restarts}")
                 break
-            delay = min(self.backoff_s * 2 ** instance.restarts, MAX_BACKOFF_S) if counted else 0.0
+            delay = min(self.backoff_s * 2 ** instance.backoff_level, MAX_BACKOFF_S) if counted else 0.0
             await asyncio.sleep(delay)
             async with self.restart_guard(instance):
                 instance.state = STARTING
                 if counted:
                     instance.restarts += 1
+                    instance.backoff_level += 1
                     RESTARTS.labels(instance.name).inc()
                 t0 = time.monotonic()
                 try:
@@ -214,11 +218,19 @@ class Supervisor:
             break
         await self._notify()
 
+    def step_finished(self) -> None:
+        """A step finished: every instance serving now took part in it (or stood ready), so its next
+        death is no crash loop and its next restart waits the first back-off again."""
+        for instance in self.instances.values():
+            if instance.state == SERVING:
+                instance.backoff_level = 0
+
     def _leave_out(self, instance: Instance, exc: NoRoom, counted: bool) -> None:
         """The run goes on without the instance (--elastic): no node took its place."""
         instance.state = LOST
         if counted:  # the attempt found no room: nothing was started, the budget is for deaths
             instance.restarts -= 1
+            instance.backoff_level -= 1
         self.event("service.left_out", service=instance.name, roles=",".join(instance.roles),
                    why=str(exc).split(". ")[0][:300])
         for listener in self.on_left_out:

@@ -414,6 +414,8 @@ class Trainer(RunCheckpoints):
                 step = await self.recovery.recover(exc, step)
                 continue
             step += 1
+            if self.recovery is not None:
+                self.recovery.step_finished()
             crash_point("coordinator.step.done")
             c.global_step, c.episode = step, self.state.episode
             # The learner sleeps until the next step's log-probs (after any checkpoint). Outside the
