@@ -21,7 +21,7 @@ the checkpoint folder's size on disk. After the run it checks:
 - no process of the run is left once the coordinator exited.
 
 It writes OUT/results.json and prints a short table; the exit code is 0 when every check holds.
-Ray node kills are not part of this script (see docs/benchmarks/2026-12-05-soak.md).
+Ray placement, with node losses in the same long run: bench/soak_ray.py.
 """
 
 from __future__ import annotations

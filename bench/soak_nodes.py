@@ -9,7 +9,8 @@ spare nodes take the lost bundles.
 The same run without faults goes first, on the same cluster. It reports every step once, the per-step
 metrics against the fault-free run (tests/chaos/harness.py's comparison), the seconds from each kill
 to the next step's record, and the run's processes left behind (none, the cluster stopped too), in
-OUT/results.json. bench/soak.py does the long run with service kills in local placement.
+OUT/results.json. bench/soak.py does the long run with service kills in local placement,
+bench/soak_ray.py the long run with service kills and node losses together in Ray placement.
 """
 
 from __future__ import annotations
@@ -53,6 +54,30 @@ def grpo_ray_argv(model: pathlib.Path, data: pathlib.Path, out: pathlib.Path, st
             "--ready_file", str(out / "control.json"), "--max_restarts", "8", "--restart_backoff_s", "0.1"]
     argv[argv.index("--max_steps") + 1] = str(steps)
     return argv
+
+
+def new_cluster() -> LocalCluster:
+    """A local Ray cluster in a fresh /tmp folder whose lost nodes Ray declares dead within ~3 s."""
+    env = {k: v for k, v in service_env().items() if k in ("VLLM_CPU_KVCACHE_SPACE", "TOKENIZERS_PARALLELISM",
+                                                          "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "DS_ACCELERATOR",
+                                                          "WANDB_MODE")}
+    # A killed node is declared dead after 3 failed health checks 1 s apart (Ray's own: 5 x 3 s).
+    env.update(RAY_health_check_period_ms="1000", RAY_health_check_failure_threshold="3",
+               RAY_enable_metrics_collection="0")
+    return LocalCluster(pathlib.Path(tempfile.mkdtemp(prefix="rls-", dir="/tmp")), env=env)
+
+
+def cluster_up(cluster: LocalCluster, workers: int) -> list[str]:
+    """A head and `workers` nodes of one logical GPU and 2 CPUs each; returns the nodes' addresses."""
+    cluster.up(workers=workers, gpus_per_node=1, cpus_per_node=2, port=free_port(), dashboard_port=free_port(),
+               head_env={"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1", "GLOO_SOCKET_IFNAME": "lo"})
+    return [n.ip for n in cluster.state().nodes]
+
+
+def this_clusters(ips: list[str], cluster: LocalCluster) -> list[str]:
+    """This cluster's Ray processes still running: those that name its folder (Ray's session and socket
+    paths); another local cluster on the machine may reuse a lost node's address."""
+    return [f"ray pid {pid} ({ip})" for ip in ips for pid in node_processes(ip) if _names(pid, cluster.folder)]
 
 
 def run_job(cluster: LocalCluster, argv: list[str], out: pathlib.Path, kill_steps: list[int], timeout_s: float) -> dict:
@@ -102,20 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(root, ignore_errors=True)
     model, data = make_tiny_model(root / "model", seed=0), make_data(root / "data", seed=0)
     kill_steps = sorted({2 + i * max((args.steps - 2) // max(args.node_kills, 1), 1) for i in range(args.node_kills)})
-    env = {k: v for k, v in service_env().items() if k in ("VLLM_CPU_KVCACHE_SPACE", "TOKENIZERS_PARALLELISM",
-                                                          "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "DS_ACCELERATOR",
-                                                          "WANDB_MODE")}
-    # A killed node is declared dead after 3 failed health checks 1 s apart (Ray's own: 5 x 3 s).
-    env.update(RAY_health_check_period_ms="1000", RAY_health_check_failure_threshold="3",
-               RAY_enable_metrics_collection="0")
-    cluster = LocalCluster(pathlib.Path(tempfile.mkdtemp(prefix="rls-", dir="/tmp")), env=env)
+    cluster = new_cluster()
     workers = 3 + (args.spares if args.spares is not None else args.node_kills + 1)
     t0 = time.monotonic()
     ips = []
     try:
-        cluster.up(workers=workers, gpus_per_node=1, cpus_per_node=2, port=free_port(), dashboard_port=free_port(),
-                   head_env={"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1", "GLOO_SOCKET_IFNAME": "lo"})
-        ips = [n.ip for n in cluster.state().nodes]
+        ips = cluster_up(cluster, workers)
         print(f"cluster of {len(ips)} nodes up in {time.monotonic() - t0:.0f} s", flush=True)
         base = run_job(cluster, grpo_ray_argv(model, data, root / "baseline", args.steps), root / "baseline", [],
                        args.timeout_s)
@@ -132,9 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     time.sleep(2)
     left = [f"{name} pid {p.pid}" for out in (root / "baseline", root / "faults")
             for name, procs in run_processes(out).items() for p in procs]
-    # This cluster's processes name its folder (Ray's session and socket paths); another local cluster
-    # on the machine may reuse a lost node's address, so an address alone says nothing.
-    left += [f"ray pid {pid} ({ip})" for ip in ips for pid in node_processes(ip) if _names(pid, cluster.folder)]
+    left += this_clusters(ips, cluster)
     shutil.rmtree(cluster.folder, ignore_errors=True)
 
     as_trial = lambda r: Trial([], r["returncode"], r["records"], r["events"])  # noqa: E731

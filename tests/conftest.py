@@ -44,7 +44,8 @@ SHARED_FIXTURES = {"quickstart_run": "quickstart", "baseline": "chaos-baseline",
                    "vllm_rollout": "rollout-services", "hf_rollout": "rollout-services", "docgen": "docs"}
 # Modules that start Ray (a local instance or a cluster of loopback nodes): one at a time, on one worker.
 RAY_MODULES = ("tests/chaos/test_ray_chaos.py", "tests/coordinator/test_ray_placement_wait.py",
-               "tests/coordinator/test_ray_multinode.py", "tests/coordinator/test_ray_elastic.py")
+               "tests/coordinator/test_ray_multinode.py", "tests/coordinator/test_ray_elastic.py",
+               "tests/bench/test_soak_ray.py")
 # Groups that take minutes go out first, so that no long one starts last (measured on 2 cores).
 LONG_GROUPS = ("ray", "crash-walk", "chaos-baseline", "quickstart", "tests/chaos/test_learner_ranks.py",
                "tests/chaos/test_static_chaos.py", "tests/deploy/test_compose_local.py",
