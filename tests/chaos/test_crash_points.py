@@ -80,3 +80,23 @@ def test_a_rank_killed_at_each_collective_of_a_step(tiny_model_dir, tiny_data_di
     assert trial.crashed_at == sorted(RANK_PLAN), (trial.crashed_at, trial.log[-4000:])
     assert trial.steps == list(range(1, STEPS + 1))
     assert all(r["samples/generated"] == 32 and r["samples/trained"] == 32 for r in trial.records), trial.records
+
+
+# A death while a failed step is being repaired: the learner dies training step 2 (its fifth
+# micro-batch: four a step), and rollout-0 dies on the first chunk of the rewind's weight push (its
+# second push: step 1's was the first; none at start-up). The repair is repaired in turn and rewinds
+# again, to step 1's checkpoint.
+REPAIR_PLAN = ["learner.rank.forward_done@learner#5", "rollout.push.chunk_received@rollout-0#2"]
+
+
+def test_a_death_during_the_repair_of_a_step_is_repaired_too(walk_baseline, tiny_model_dir, tiny_data_dir, tmp_path):
+    base, _ = walk_baseline
+    argv = grpo_argv(tiny_model_dir, tiny_data_dir, tmp_path, 2, STEPS) + ["--max_restarts", "8"]
+    trial = run_trial(argv, tmp_path, crash_at=REPAIR_PLAN, timeout_s=900)
+    assert trial.returncode == 0, trial.log[-8000:]
+    assert trial.crashed_at == sorted(REPAIR_PLAN), (trial.crashed_at, trial.log[-4000:])
+    interrupted = [e for e in trial.events if e["event"] == "recovery.interrupted"]
+    assert len(interrupted) == 1 and interrupted[0]["rewind"] is True, (interrupted, trial.log[-4000:])
+    assert [e["to_step"] for e in trial.events if e["event"] == "learner.rewound"] == [1], trial.events
+    assert trial.steps == list(range(1, STEPS + 1))
+    assert differences(base, trial) == []

@@ -41,7 +41,8 @@ import grpc
 from rlmesh.rollout.v1 import rollout_pb2
 from services.common.crash_points import crash_point
 from services.coordinator.loop.run_state import ServiceEntry, WeightSyncError
-from services.coordinator.fleet.supervisor import RECOVERED_SAMPLES, REDONE_STEPS, SERVING, SYNCING, Instance, Supervisor
+from services.coordinator.fleet.supervisor import (RECOVERED_SAMPLES, REDONE_STEPS, SERVING, SYNCING, Instance,
+                                                    ServiceFailed, Supervisor)
 
 # How long a failed call waits for the supervisor to see the death that caused it: a killed
 # process is usually gone before its connection resets, but a busy machine can lag.
@@ -79,6 +80,7 @@ class Recovery:
         self._sync_lock = asyncio.Lock()
         self._step_mark: dict[str, tuple[int, float]] = {}  # deaths seen when the step started
         self.elastic = None  # --elastic: fleet/elastic.py (the learner grows back at a step start)
+        self._rewinding = False  # the repair under way rewinds the learner (recover)
 
     def refresh_status(self) -> None:
         """The control API's service list, with the supervisor's state and restarts of each."""
@@ -396,15 +398,39 @@ class Recovery:
     async def recover(self, exc: Exception, step: int) -> int:
         """After step `step + 1` failed: restarts what died and returns the step to continue from
         (`step`, or the checkpoint's step after a learner restart). Re-raises failures no restart
-        explains, and those after training when the learner lives (a redo would train twice)."""
+        explains, and those after training when the learner lives (a redo would train twice).
+
+        A service that dies while the repair runs (a node lost right after a restart, an engine
+        during the rewind's weight push) is repaired in turn; once a learner rewind began, the
+        repair that follows rewinds again (the checkpoint is loaded again, the engines get it)."""
+        rewind = False
+        while True:
+            mark = self._mark()
+            try:
+                return await self._repair(exc, step, rewind)
+            except ServiceFailed:
+                raise
+            except Exception as again:  # noqa: BLE001 - a death during the repair: repair again
+                rewind = rewind or self._rewinding
+                if again is exc or (not self.learner_restarted and not await self._failed_since(mark)):
+                    raise  # no death explains it (the repair gave the failure back as it came)
+                self._step_mark = mark
+                self.sup.event("recovery.interrupted", step=step + 1, rewind=rewind,
+                               error=f"{type(again).__name__}: {str(again)[:300]}")
+                exc = again
+
+    async def _repair(self, exc: Exception, step: int, rewind: bool) -> int:
+        """One attempt of recover's repair; rewind True: a rewind began in an earlier attempt."""
         t, cfg = self.t, self.config
+        self._rewinding = False
         down = await self._failed_since(self._step_mark)
-        learner = self.learner_restarted or any("learner" in i.roles for i in down)
+        learner = rewind or self.learner_restarted or any("learner" in i.roles for i in down)
         if not down and not learner:
             raise exc
         trained_step, lost_samples = t.step_attempt()
         if not learner and trained_step == step + 1:
             raise exc
+        self._rewinding = learner
         self.sup.event("step.failed", step=step + 1, services=",".join(i.name for i in down) or "learner",
                        error=f"{type(exc).__name__}: {str(exc)[:300]}")
         async with self._blocked_on_restarts():
