@@ -18,8 +18,10 @@ run on.
                                   a node took join the ranks again (the loop saved a checkpoint first)
 
 A learner re-formed on other ranks loads the newest checkpoint: its partitions of the optimizer
-states died with the lost ranks (ZeRO 1-3), so the checkpoint is the newest state that survives
-whole; the learner converts it to DeepSpeed's universal checkpoint when its layout differs
+states died with the lost ranks (ZeRO 1-3, and bf16 without ZeRO too: DeepSpeed's BF16_Optimizer
+partitions the fp32 master weights and optimizer states over the data-parallel ranks), so the
+checkpoint is the newest state that survives whole (only an fp32 or fp16 run at ZeRO stage 0 keeps
+a whole copy on every rank; that case loads the checkpoint as well); the learner converts it to DeepSpeed's universal checkpoint when its layout differs
 (--use_ds_universal_ckpt is passed for --elastic). On a cluster without GPUs the learner is one
 bundle whose ranks it starts itself: it moves whole or not at all.
 """
