@@ -110,11 +110,13 @@ def _dir_bytes(path: pathlib.Path) -> int:
 
 class Sampler(threading.Thread):
     """Every interval_s: per name, RSS (MiB), open fds and listening ports summed over its processes;
-    the checkpoint folder's bytes and complete checkpoints; the steps recorded so far."""
+    the checkpoint folder's bytes and complete checkpoints; the steps recorded so far. `find`: the
+    processes by name (default: run_processes, local placement)."""
 
-    def __init__(self, out: pathlib.Path, interval_s: float):
+    def __init__(self, out: pathlib.Path, interval_s: float, find=None):
         super().__init__(daemon=True)
         self.out, self.interval_s, self.samples, self.stop = out, interval_s, [], threading.Event()
+        self.find = find or (lambda: run_processes(out))
 
     def run(self) -> None:
         t0 = time.monotonic()
@@ -128,7 +130,7 @@ class Sampler(threading.Thread):
             except psutil.Error:
                 pass
             services = {}
-            for name, procs in run_processes(self.out).items():
+            for name, procs in self.find().items():
                 rss, fds, ports = 0, 0, set()
                 for p in procs:
                     try:

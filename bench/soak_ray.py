@@ -37,7 +37,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[1]), str(pathlib.Path(__file__).resolve().parents[1] / "protos")]
@@ -54,7 +53,7 @@ from tests.chaos.harness import PHASES, Trial, _read_jsonl, differences, model_d
 from tests.coordinator.test_ray_multinode import start_submit  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from soak import exactly_once, resource_checks, resources, table  # noqa: E402
+from soak import Sampler, exactly_once, resource_checks, resources, table  # noqa: E402
 from soak_nodes import cluster_up, grpo_ray_argv, new_cluster, this_clusters  # noqa: E402
 
 SERVICES = ("rollout-0", "rollout-1", "reward-0", "learner")
@@ -151,48 +150,16 @@ def coordinator_pid(out: pathlib.Path) -> int | None:
     return None
 
 
-class RaySampler(threading.Thread):
-    """bench/soak.py's sampler for Ray placement: the processes come from the coordinator's status."""
+class RayFinder:
+    """Sampler's `find` for Ray placement: the processes come from the coordinator's status (the last
+    one answered, while the control API does not answer)."""
 
-    def __init__(self, out: pathlib.Path, control: Control, interval_s: float):
-        super().__init__(daemon=True)
-        self.out, self.control, self.interval_s = out, control, interval_s
-        self.samples, self.stop = [], threading.Event()
-        self.last_status: pb.GetStatusResponse | None = None
+    def __init__(self, out: pathlib.Path, control: Control):
+        self.out, self.control, self.last_status = out, control, None
 
-    def run(self) -> None:
-        t0 = time.monotonic()
-        metrics, ckpt = self.out / "run" / "metrics.jsonl", self.out / "ckpt"
-        while not self.stop.is_set():
-            status = self.control.status() or self.last_status
-            self.last_status = status
-            ports = listening_pids()
-            by_pid: dict[int, set[int]] = {}
-            for port, pid in ports.items():
-                by_pid.setdefault(pid, set()).add(port)
-            services = {}
-            for name, procs in service_processes(status, coordinator_pid(self.out)).items():
-                rss, fds, listening = 0, 0, set()
-                for p in procs:
-                    try:
-                        rss += p.memory_info().rss
-                        fds += p.num_fds()
-                        listening |= by_pid.get(p.pid, set())
-                    except psutil.Error:
-                        continue
-                services[name] = {"rss_mb": round(rss / 2**20, 1), "fds": fds, "ports": len(listening),
-                                  "pids": sorted(p.pid for p in procs)}
-            try:
-                steps = sum(1 for line in metrics.read_text().splitlines() if line.strip())
-            except OSError:
-                steps = 0
-            folders = list(ckpt.glob("global_step_*")) if ckpt.is_dir() else []
-            self.samples.append({"t_s": round(time.monotonic() - t0, 1), "steps": steps, "services": services,
-                                 "ckpt_bytes": sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
-                                 if ckpt.is_dir() else 0,
-                                 "ckpt_folders": len(folders),
-                                 "ckpt_complete": sum((f / "learner.json").is_file() for f in folders)})
-            self.stop.wait(self.interval_s)
+    def __call__(self) -> dict[str, list[psutil.Process]]:
+        self.last_status = self.control.status() or self.last_status
+        return service_processes(self.last_status, coordinator_pid(self.out))
 
 
 def _wait_moment(control: Control, fault: Fault, proc: subprocess.Popen, deadline: float) -> pb.GetStatusResponse | None:
@@ -229,7 +196,7 @@ def run_job(cluster, argv: list[str], out: pathlib.Path, faults: list[Fault], ti
     deadline = t0 + timeout_s
     proc = start_submit(cluster, argv, log)
     control = Control(out, proc, 600)
-    sampler = RaySampler(out, control, sample_s)
+    sampler = Sampler(out, sample_s, RayFinder(out, control))
     sampler.start()
     landed = []
     try:
