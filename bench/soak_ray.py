@@ -28,6 +28,7 @@ when every check holds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -213,7 +214,7 @@ def run_job(cluster, argv: list[str], out: pathlib.Path, faults: list[Fault], ti
             else:
                 what = 0
                 for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
-                    with _quiet():
+                    with contextlib.suppress(psutil.Error, ProcessLookupError):
                         p.send_signal(signal.SIGKILL)
                         what += 1
             landed.append({**dataclasses.asdict(fault), "address": address, "processes": what,
@@ -237,14 +238,6 @@ def run_job(cluster, argv: list[str], out: pathlib.Path, faults: list[Fault], ti
     return {"returncode": code, "seconds": round(time.monotonic() - t0, 1), "records": records,
             "events": _read_jsonl(out / "run" / "events.jsonl"), "kills": landed, "samples": sampler.samples,
             "log": log.read_text(errors="replace")}
-
-
-class _quiet:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, exc, tb):
-        return kind is not None and issubclass(kind, (psutil.Error, ProcessLookupError))
 
 
 def main(argv: list[str] | None = None) -> int:
